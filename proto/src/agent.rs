@@ -1,0 +1,174 @@
+//! Host <-> guest agent messages.
+//!
+//! The host sends an [`AgentRequest`]; the agent answers each with exactly one
+//! [`AgentResponse`] carrying the same `id`. The host must treat every answer as untrusted
+//! input: it checks the id against its own request and never acts on a connection the
+//! answer names unless it listed that connection itself.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ConnectionId;
+
+/// A request from the host migrator to the guest agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRequest {
+    /// Chosen by the host; echoed in the response.
+    pub id: u64,
+    /// What to do.
+    pub command: AgentCommand,
+}
+
+/// The operations the agent offers the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AgentCommand {
+    /// Liveness and version check.
+    Ping,
+    /// Every migratable connection registered in the guest.
+    ListConnections,
+    /// Quiesce every connection and release the RDMA device, within the deadline.
+    Quiesce {
+        /// Time the agent may take, in milliseconds.
+        deadline_ms: u64,
+    },
+    /// Wait for the (new) RDMA device and reconnect every quiesced connection.
+    Resume {
+        /// Time the agent may take, in milliseconds.
+        deadline_ms: u64,
+    },
+}
+
+/// The agent's answer to one [`AgentRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentResponse {
+    /// The id of the request this answers.
+    pub id: u64,
+    /// The outcome.
+    pub result: AgentResult,
+}
+
+/// Outcome of one agent command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AgentResult {
+    /// Answer to [`AgentCommand::Ping`].
+    Pong {
+        /// The agent's crate version.
+        version: String,
+    },
+    /// Answer to [`AgentCommand::ListConnections`].
+    Connections {
+        /// One entry per registered connection.
+        connections: Vec<ConnectionInfo>,
+    },
+    /// Answer to [`AgentCommand::Quiesce`] and [`AgentCommand::Resume`]: per-connection results.
+    Outcomes {
+        /// One entry per connection the command touched.
+        outcomes: Vec<ConnectionOutcome>,
+        /// Wall time the agent spent, in milliseconds.
+        elapsed_ms: u64,
+    },
+    /// The command failed as a whole.
+    Error {
+        /// What went wrong, for the operator.
+        message: String,
+    },
+}
+
+/// Which side of the connection set-up an endpoint played. The active side reconnects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Called rdma_connect.
+    Active,
+    /// Accepted from a listener.
+    Passive,
+}
+
+/// Where a connection stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConnectionState {
+    /// Being set up.
+    Connecting,
+    /// Carrying traffic.
+    Established,
+    /// Quiescing: no new sends posted, waiting for the peer's PAUSE_ACK and the disconnect.
+    Pausing,
+    /// Quiesced: every RDMA resource released, messages kept for replay.
+    Quiesced,
+    /// Waiting for the peer to come back (the peer moved or its path broke).
+    AwaitingPeer,
+    /// Reconnecting after a resume.
+    Resuming,
+    /// Closed by the application.
+    Closed,
+    /// Failed for good; the application has been told why.
+    Failed,
+}
+
+/// A snapshot of one connection, as the agent reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionInfo {
+    /// The connection's id.
+    pub id: ConnectionId,
+    /// The guest process that owns it.
+    pub pid: u32,
+    /// Active (connecting) or passive (accepted) side.
+    pub role: Role,
+    /// Local address, `ip:port`.
+    pub local: String,
+    /// Peer address, `ip:port`.
+    pub peer: String,
+    /// Current state.
+    pub state: ConnectionState,
+    /// Highest sequence number sent (assigned) so far.
+    pub last_sent: u64,
+    /// Highest sequence number delivered to the application so far.
+    pub last_received: u64,
+    /// Messages sent but not yet acknowledged by the peer.
+    pub unacked: u64,
+}
+
+/// What happened to one connection during a quiesce or resume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionOutcome {
+    /// The connection.
+    pub id: ConnectionId,
+    /// Whether the step succeeded for this connection.
+    pub ok: bool,
+    /// Time this connection took, in milliseconds.
+    pub elapsed_ms: u64,
+    /// What failed, when `ok` is false.
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Frame;
+
+    #[test]
+    fn requests_round_trip_through_a_frame() {
+        for command in [
+            AgentCommand::Ping,
+            AgentCommand::ListConnections,
+            AgentCommand::Quiesce { deadline_ms: 5000 },
+            AgentCommand::Resume { deadline_ms: 9000 },
+        ] {
+            let req = AgentRequest { id: 3, command };
+            let bytes = Frame::encode(&req);
+            let mut fb = crate::FrameBuffer::new();
+            fb.push(&bytes);
+            assert_eq!(fb.pop().unwrap().decode::<AgentRequest>().unwrap(), req);
+        }
+    }
+
+    #[test]
+    fn unknown_operation_is_malformed() {
+        let frame = crate::Frame {
+            payload: br#"{"id":1,"command":{"op":"format_disk"}}"#.to_vec(),
+        };
+        assert!(frame.decode::<AgentRequest>().is_err());
+    }
+}

@@ -1,0 +1,106 @@
+//! Guest agent <-> application (connection library) messages, over the agent's UNIX
+//! socket inside the guest.
+//!
+//! Each process using the library opens one socket to the agent and says [`AppToAgent::Hello`].
+//! The agent then drives it with [`AgentToApp`] requests; the library answers each with one
+//! [`AppToAgent::Reply`] about all of the process's connections.
+
+use serde::{Deserialize, Serialize};
+
+use crate::agent::{ConnectionInfo, ConnectionOutcome};
+
+/// Default path of the agent's socket for applications.
+pub const DEFAULT_AGENT_SOCKET: &str = "/run/rdmamig/agent.sock";
+
+/// From the library to the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum AppToAgent {
+    /// First message on a new socket: who is registering.
+    Hello {
+        /// The process id.
+        pid: u32,
+        /// The program name, for the operator.
+        program: String,
+    },
+    /// Answer to one [`AgentToApp`] request.
+    Reply {
+        /// The request's id.
+        request: u64,
+        /// What the request produced.
+        body: AppReply,
+    },
+}
+
+/// The body of an [`AppToAgent::Reply`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AppReply {
+    /// Answer to [`AgentToApp::Describe`].
+    Connections {
+        /// The process's connections.
+        connections: Vec<ConnectionInfo>,
+    },
+    /// Answer to [`AgentToApp::Quiesce`] and [`AgentToApp::Resume`].
+    Outcomes {
+        /// One entry per connection of the process.
+        outcomes: Vec<ConnectionOutcome>,
+    },
+}
+
+/// From the agent to the library.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum AgentToApp {
+    /// List the process's connections.
+    Describe {
+        /// Echoed in the reply.
+        request: u64,
+    },
+    /// Quiesce every connection and release the device within the deadline.
+    Quiesce {
+        /// Echoed in the reply.
+        request: u64,
+        /// Time allowed, in milliseconds.
+        deadline_ms: u64,
+    },
+    /// Reconnect every quiesced connection on the current device within the deadline.
+    Resume {
+        /// Echoed in the reply.
+        request: u64,
+        /// Time allowed, in milliseconds.
+        deadline_ms: u64,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Frame, FrameBuffer};
+
+    #[test]
+    fn messages_round_trip() {
+        let msgs = [
+            AppToAgent::Hello {
+                pid: 9,
+                program: "traffic".into(),
+            },
+            AppToAgent::Reply {
+                request: 4,
+                body: AppReply::Outcomes {
+                    outcomes: vec![ConnectionOutcome {
+                        id: 1,
+                        ok: false,
+                        elapsed_ms: 3,
+                        error: Some("peer did not acknowledge PAUSE".into()),
+                    }],
+                },
+            },
+        ];
+        for m in msgs {
+            let mut fb = FrameBuffer::new();
+            fb.push(&Frame::encode(&m));
+            assert_eq!(fb.pop().unwrap().decode::<AppToAgent>().unwrap(), m);
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! Message types and framing shared by every rdmamig component.
+//!
+//! Three channels carry these messages, all with the same framing ([`frame`]):
+//! - host migrator <-> guest agent ([`agent`]), over virtio-serial or hybrid vsock;
+//!   the guest is untrusted, so the host checks every answer against what it asked;
+//! - guest agent <-> applications using the connection library ([`app`]), over a UNIX
+//!   socket inside the guest.
+//!
+//! The layering follows mini-redis: [`frame`] turns bytes into frames (check, then parse,
+//! with an explicit "incomplete" outcome) and the typed messages ride inside a frame as JSON.
+
+pub mod agent;
+pub mod app;
+pub mod frame;
+
+pub use frame::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
+
+/// Version of the message schema. Carried in every frame header; a peer speaking another
+/// version is refused with [`FrameError::UnsupportedVersion`].
+pub const PROTOCOL_VERSION: u8 = 1;
+
+/// Identifier of one migratable connection, unique within its two endpoints.
+///
+/// Chosen at random by the connecting side; printed as 16 hex digits.
+pub type ConnectionId = u64;
