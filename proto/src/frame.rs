@@ -58,7 +58,10 @@ impl FrameError {
     /// framing intact (the bad frame was consumed); the others mean the byte stream itself is
     /// not trustworthy.
     pub fn is_recoverable(&self) -> bool {
-        matches!(self, FrameError::Malformed { .. } | FrameError::Incomplete { .. })
+        matches!(
+            self,
+            FrameError::Malformed { .. } | FrameError::Incomplete { .. }
+        )
     }
 }
 
@@ -77,7 +80,10 @@ impl Frame {
     /// crate is bounded well below it, so that is a programming error.
     pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
         let payload = serde_json::to_vec(message).expect("rdmamig messages always serialize");
-        assert!(payload.len() <= MAX_FRAME_LEN, "message larger than a frame");
+        assert!(
+            payload.len() <= MAX_FRAME_LEN,
+            "message larger than a frame"
+        );
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
         out.extend_from_slice(&MAGIC);
         out.push(PROTOCOL_VERSION);
@@ -167,8 +173,11 @@ impl FrameBuffer {
         match next {
             Some(start) => drop(self.buf.drain(..start)),
             None => {
-                // Keep a tail that may be the beginning of a magic split across reads.
-                let keep = self.buf.len().min(MAGIC.len() - 1);
+                // Keep only a tail that may be the beginning of a magic split across reads.
+                let keep = (1..MAGIC.len())
+                    .rev()
+                    .find(|&k| k <= self.buf.len() && self.buf.ends_with(&MAGIC[..k]))
+                    .unwrap_or(0);
                 let cut = self.buf.len() - keep;
                 self.buf.drain(..cut);
             }

@@ -1,0 +1,434 @@
+//! The applications registered with the agent.
+//!
+//! Every process that uses the connection library keeps one UNIX socket open to the
+//! agent and introduces itself with `Hello`. The agent sends it requests
+//! ([`AgentToApp`]) and waits, with a deadline, for the one reply each request gets. A
+//! process that disconnects is forgotten at once; one that does not answer in time is
+//! reported per connection, using the connections it last described.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
+use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
+use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+/// Why the application socket could not be served.
+#[derive(Debug, Error)]
+pub enum AppsError {
+    /// The socket's directory could not be created.
+    #[error("cannot create the directory of the application socket {path}")]
+    CreateDir {
+        /// The directory.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The socket could not be bound.
+    #[error("cannot listen on the application socket {path}")]
+    Bind {
+        /// The socket path.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why one application did not answer a request.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum AppRequestError {
+    /// No reply before the deadline.
+    #[error("process {pid} did not answer within {deadline_ms} ms")]
+    Timeout {
+        /// The process.
+        pid: u32,
+        /// The deadline that passed.
+        deadline_ms: u64,
+    },
+    /// The process closed its socket (it exited or crashed).
+    #[error("process {pid} went away")]
+    Gone {
+        /// The process.
+        pid: u32,
+    },
+    /// The reply was of the wrong kind for the request.
+    #[error("process {pid} answered with the wrong kind of reply")]
+    WrongReply {
+        /// The process.
+        pid: u32,
+    },
+}
+
+/// One registered process.
+struct App {
+    pid: u32,
+    program: String,
+    writer: Mutex<UnixStream>,
+    pending: Mutex<HashMap<u64, Sender<AppReply>>>,
+    /// The connections it reported last, used to report on it when it stops answering.
+    last_described: Mutex<Vec<ConnectionInfo>>,
+}
+
+/// The set of registered processes, shared by the socket listener and the host server.
+#[derive(Clone, Default)]
+pub struct Apps {
+    apps: Arc<Mutex<HashMap<u64, Arc<App>>>>,
+    next_app: Arc<AtomicU64>,
+    next_request: Arc<AtomicU64>,
+}
+
+/// Largest number of processes served at once; further connections are refused, so a
+/// runaway guest program cannot exhaust the agent.
+const MAX_APPS: usize = 256;
+
+impl Apps {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Binds `path` (replacing a stale socket) and serves registrations on a thread.
+    pub fn listen(&self, path: &Path) -> Result<(), AppsError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| AppsError::CreateDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path).map_err(|source| AppsError::Bind {
+            path: path.display().to_string(),
+            source,
+        })?;
+        // Applications run as any user in the guest; the agent decides what they may do.
+        let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666));
+        let apps = self.clone();
+        thread::Builder::new()
+            .name("apps-listener".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    match stream {
+                        Ok(stream) => apps.admit(stream),
+                        Err(e) => warn!("accepting an application failed: {e}"),
+                    }
+                }
+            })
+            .expect("spawning a thread");
+        Ok(())
+    }
+
+    /// Takes a new application connection and starts reading it.
+    fn admit(&self, stream: UnixStream) {
+        if self.apps.lock().unwrap().len() >= MAX_APPS {
+            warn!("refusing an application: {MAX_APPS} already registered");
+            return;
+        }
+        let apps = self.clone();
+        thread::spawn(move || apps.serve_app(stream));
+    }
+
+    /// Reads one application's messages until it disconnects.
+    fn serve_app(&self, mut stream: UnixStream) {
+        let Ok(writer) = stream.try_clone() else {
+            return;
+        };
+        let mut frames = FrameBuffer::new();
+        let mut chunk = [0u8; 4096];
+        let mut app: Option<(u64, Arc<App>)> = None;
+        loop {
+            let n = match stream.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            frames.push(&chunk[..n]);
+            loop {
+                let message = match frames.pop() {
+                    Ok(frame) => frame.decode::<AppToAgent>(),
+                    Err(FrameError::Incomplete { .. }) => break,
+                    Err(e) => Err(e),
+                };
+                match message {
+                    Ok(AppToAgent::Hello { pid, program }) if app.is_none() => {
+                        let key = self.next_app.fetch_add(1, Ordering::Relaxed);
+                        let entry = Arc::new(App {
+                            pid,
+                            program,
+                            writer: Mutex::new(writer.try_clone().expect("cloning a socket")),
+                            pending: Mutex::new(HashMap::new()),
+                            last_described: Mutex::new(Vec::new()),
+                        });
+                        info!(pid, program = %entry.program, "application registered");
+                        self.apps.lock().unwrap().insert(key, entry.clone());
+                        app = Some((key, entry));
+                    }
+                    Ok(AppToAgent::Reply { request, body }) => {
+                        let waiter = app
+                            .as_ref()
+                            .and_then(|(_, a)| a.pending.lock().unwrap().remove(&request));
+                        match waiter {
+                            Some(tx) => drop(tx.send(body)),
+                            None => debug!(request, "reply to no pending request (late?)"),
+                        }
+                    }
+                    Ok(AppToAgent::Hello { .. }) => warn!("second Hello on one socket ignored"),
+                    Err(e) if e.is_recoverable() => warn!("bad message from an application: {e}"),
+                    Err(e) => {
+                        warn!("dropping an application whose stream is corrupt: {e}");
+                        self.forget(&app);
+                        return;
+                    }
+                }
+            }
+        }
+        self.forget(&app);
+    }
+
+    fn forget(&self, app: &Option<(u64, Arc<App>)>) {
+        if let Some((key, entry)) = app {
+            info!(pid = entry.pid, "application went away");
+            self.apps.lock().unwrap().remove(key);
+            // Dropping the senders wakes every waiter with "gone".
+            entry.pending.lock().unwrap().clear();
+        }
+    }
+
+    fn snapshot(&self) -> Vec<Arc<App>> {
+        self.apps.lock().unwrap().values().cloned().collect()
+    }
+
+    /// Sends one request to one app and waits for its reply until `deadline`.
+    fn request(
+        &self,
+        app: &App,
+        make: impl FnOnce(u64) -> AgentToApp,
+        deadline: Instant,
+    ) -> Result<AppReply, AppRequestError> {
+        let id = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx): (Sender<AppReply>, Receiver<AppReply>) = mpsc::channel();
+        app.pending.lock().unwrap().insert(id, tx);
+        let sent = app
+            .writer
+            .lock()
+            .unwrap()
+            .write_all(&Frame::encode(&make(id)));
+        if sent.is_err() {
+            app.pending.lock().unwrap().remove(&id);
+            return Err(AppRequestError::Gone { pid: app.pid });
+        }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let reply = rx.recv_timeout(wait);
+        app.pending.lock().unwrap().remove(&id);
+        match reply {
+            Ok(reply) => Ok(reply),
+            Err(RecvTimeoutError::Timeout) => Err(AppRequestError::Timeout {
+                pid: app.pid,
+                deadline_ms: wait.as_millis() as u64,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(AppRequestError::Gone { pid: app.pid }),
+        }
+    }
+
+    /// Every connection of every registered process, asked in parallel.
+    pub fn describe(&self, timeout: Duration) -> Vec<ConnectionInfo> {
+        let deadline = Instant::now() + timeout;
+        self.fan_out(|apps, app| {
+            match apps.request(app, |request| AgentToApp::Describe { request }, deadline) {
+                Ok(AppReply::Connections { connections }) => {
+                    *app.last_described.lock().unwrap() = connections.clone();
+                    connections
+                }
+                Ok(_) => {
+                    warn!(pid = app.pid, "wrong reply to describe");
+                    app.last_described.lock().unwrap().clone()
+                }
+                Err(e) => {
+                    warn!("{e}");
+                    app.last_described.lock().unwrap().clone()
+                }
+            }
+        })
+    }
+
+    /// Sends a quiesce or resume to every process in parallel and gathers per-connection
+    /// outcomes. A process that fails as a whole yields a failed outcome for each
+    /// connection it last described.
+    pub fn drive(
+        &self,
+        make: impl Fn(u64) -> AgentToApp + Sync,
+        deadline: Instant,
+    ) -> Vec<ConnectionOutcome> {
+        self.fan_out(|apps, app| match apps.request(app, &make, deadline) {
+            Ok(AppReply::Outcomes { outcomes }) => outcomes,
+            Ok(_) => failed_outcomes(app, &AppRequestError::WrongReply { pid: app.pid }),
+            Err(e) => failed_outcomes(app, &e),
+        })
+    }
+
+    fn fan_out<T: Send>(&self, per_app: impl Fn(&Apps, &App) -> Vec<T> + Sync) -> Vec<T> {
+        let apps = self.snapshot();
+        thread::scope(|scope| {
+            let handles: Vec<_> = apps
+                .iter()
+                .map(|app| scope.spawn(|| per_app(self, app)))
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        })
+    }
+}
+
+fn failed_outcomes(app: &App, error: &AppRequestError) -> Vec<ConnectionOutcome> {
+    app.last_described
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| ConnectionOutcome {
+            id: c.id,
+            ok: false,
+            elapsed_ms: 0,
+            error: Some(error.to_string()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! These drive the registry through a real UNIX socket with a scripted client: the
+    //! logic under test is the agent's fan-out, deadlines and bookkeeping.
+    use super::*;
+    use rdmamig_proto::agent::{ConnectionState, Role};
+
+    fn info(id: u64) -> ConnectionInfo {
+        ConnectionInfo {
+            id,
+            pid: 7,
+            role: Role::Active,
+            local: "10.0.0.1:1".into(),
+            peer: "10.0.0.2:2".into(),
+            state: ConnectionState::Established,
+            last_sent: 0,
+            last_received: 0,
+            unacked: 0,
+        }
+    }
+
+    /// A scripted application: says hello, then answers each request with `answer`.
+    fn client(path: &Path, answer: fn(AgentToApp) -> Option<AppToAgent>) {
+        let mut stream = UnixStream::connect(path).unwrap();
+        stream
+            .write_all(&Frame::encode(&AppToAgent::Hello {
+                pid: 7,
+                program: "test".into(),
+            }))
+            .unwrap();
+        thread::spawn(move || {
+            let mut fb = FrameBuffer::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stream.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                fb.push(&buf[..n]);
+                while let Ok(frame) = fb.pop() {
+                    if let Some(reply) = answer(frame.decode().unwrap()) {
+                        stream.write_all(&Frame::encode(&reply)).unwrap();
+                    }
+                }
+            }
+        });
+    }
+
+    fn registry_with(answer: fn(AgentToApp) -> Option<AppToAgent>) -> (Apps, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let apps = Apps::new();
+        apps.listen(&path).unwrap();
+        client(&path, answer);
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.snapshot().is_empty() && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        (apps, dir)
+    }
+
+    #[test]
+    fn describe_and_drive_collect_per_connection_results() {
+        let (apps, _dir) = registry_with(|req| match req {
+            AgentToApp::Describe { request } => Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Connections {
+                    connections: vec![info(1), info(2)],
+                },
+            }),
+            AgentToApp::Quiesce { request, .. } | AgentToApp::Resume { request, .. } => {
+                Some(AppToAgent::Reply {
+                    request,
+                    body: AppReply::Outcomes {
+                        outcomes: [1, 2]
+                            .map(|id| ConnectionOutcome {
+                                id,
+                                ok: true,
+                                elapsed_ms: 1,
+                                error: None,
+                            })
+                            .to_vec(),
+                    },
+                })
+            }
+        });
+        assert_eq!(apps.describe(Duration::from_secs(5)).len(), 2);
+        let outcomes = apps.drive(
+            |request| AgentToApp::Quiesce {
+                request,
+                deadline_ms: 100,
+            },
+            Instant::now() + Duration::from_secs(5),
+        );
+        assert_eq!(outcomes.len(), 2);
+        assert!(outcomes.iter().all(|o| o.ok));
+    }
+
+    #[test]
+    fn a_silent_process_fails_each_of_its_connections_at_the_deadline() {
+        let (apps, _dir) = registry_with(|req| match req {
+            AgentToApp::Describe { request } => Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Connections {
+                    connections: vec![info(5)],
+                },
+            }),
+            _ => None,
+        });
+        apps.describe(Duration::from_secs(5));
+        let start = Instant::now();
+        let outcomes = apps.drive(
+            |request| AgentToApp::Quiesce {
+                request,
+                deadline_ms: 100,
+            },
+            Instant::now() + Duration::from_millis(200),
+        );
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert_eq!(outcomes.len(), 1);
+        assert!(!outcomes[0].ok);
+        assert!(outcomes[0]
+            .error
+            .as_ref()
+            .unwrap()
+            .contains("did not answer"));
+    }
+}

@@ -1,0 +1,197 @@
+//! The guest agent: the host's representative inside the VM.
+//!
+//! It serves the host migrator over a virtio-serial port ([`host`]) and drives the
+//! processes that use the connection library ([`apps`]): on a quiesce every connection of
+//! every process releases the RDMA device; on a resume the agent waits for the new device
+//! ([`device`]) and every connection reconnects. Each answer lists per-connection results.
+//!
+//! Everything is bounded by the deadline the host gives; nothing here waits forever.
+
+pub mod apps;
+pub mod device;
+pub mod host;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::agent::{AgentCommand, AgentResult};
+use rdmamig_proto::app::AgentToApp;
+use tracing::info;
+
+use apps::Apps;
+
+/// Part of each deadline kept back so the answer reaches the host before the host's own
+/// deadline passes.
+const ANSWER_MARGIN: Duration = Duration::from_millis(200);
+/// Longest time spent asking processes to describe their connections before a quiesce.
+const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The agent's state: the registered processes and where to look for RDMA devices.
+pub struct Agent {
+    apps: Apps,
+    sysfs_infiniband: PathBuf,
+}
+
+impl Agent {
+    /// An agent driving `apps`, looking for RDMA ports under `sysfs_infiniband`.
+    pub fn new(apps: Apps, sysfs_infiniband: PathBuf) -> Self {
+        Self {
+            apps,
+            sysfs_infiniband,
+        }
+    }
+
+    /// Runs one host command to completion.
+    pub fn handle(&self, command: AgentCommand) -> AgentResult {
+        let started = Instant::now();
+        match command {
+            AgentCommand::Ping => AgentResult::Pong {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            },
+            AgentCommand::ListConnections => AgentResult::Connections {
+                connections: self.apps.describe(DESCRIBE_TIMEOUT),
+            },
+            AgentCommand::Quiesce { deadline_ms } => {
+                let deadline = deadline_from(started, deadline_ms);
+                // Refresh what each process owns, so a process that then stops answering
+                // is still reported connection by connection.
+                let connections = self
+                    .apps
+                    .describe(DESCRIBE_TIMEOUT.min(Duration::from_millis(deadline_ms / 4)));
+                info!(connections = connections.len(), deadline_ms, "quiescing");
+                let outcomes = self.apps.drive(
+                    |request| AgentToApp::Quiesce {
+                        request,
+                        deadline_ms: remaining_ms(deadline),
+                    },
+                    deadline,
+                );
+                outcomes_since(started, outcomes)
+            }
+            AgentCommand::Resume { deadline_ms } => {
+                let deadline = deadline_from(started, deadline_ms);
+                let Some(ports) = device::wait_for_active_port(
+                    &self.sysfs_infiniband,
+                    deadline.saturating_duration_since(Instant::now()),
+                    Duration::from_millis(10),
+                ) else {
+                    return AgentResult::Error {
+                        message: format!(
+                            "no RDMA port became ACTIVE within {deadline_ms} ms: is the new \
+                             function attached and its link up?"
+                        ),
+                    };
+                };
+                info!(device = %ports[0].device, "RDMA port active; resuming");
+                let outcomes = self.apps.drive(
+                    |request| AgentToApp::Resume {
+                        request,
+                        deadline_ms: remaining_ms(deadline),
+                    },
+                    deadline,
+                );
+                outcomes_since(started, outcomes)
+            }
+        }
+    }
+}
+
+fn deadline_from(start: Instant, deadline_ms: u64) -> Instant {
+    start + Duration::from_millis(deadline_ms).saturating_sub(ANSWER_MARGIN)
+}
+
+fn remaining_ms(deadline: Instant) -> u64 {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis() as u64
+}
+
+fn outcomes_since(
+    started: Instant,
+    outcomes: Vec<rdmamig_proto::agent::ConnectionOutcome>,
+) -> AgentResult {
+    AgentResult::Outcomes {
+        outcomes,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdmamig_proto::agent::{AgentRequest, AgentResponse};
+    use rdmamig_proto::{Frame, FrameBuffer};
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+
+    fn agent() -> (Agent, tempfile::TempDir) {
+        let sysfs = tempfile::tempdir().unwrap();
+        (Agent::new(Apps::new(), sysfs.path().to_path_buf()), sysfs)
+    }
+
+    fn read_response(stream: &mut UnixStream, fb: &mut FrameBuffer) -> AgentResponse {
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Ok(frame) = fb.pop() {
+                return frame.decode().unwrap();
+            }
+            let n = stream.read(&mut buf).unwrap();
+            assert!(n > 0, "agent closed the channel");
+            fb.push(&buf[..n]);
+        }
+    }
+
+    #[test]
+    fn garbage_and_oversized_frames_get_errors_and_the_agent_keeps_serving() {
+        let (agent, _sysfs) = agent();
+        let (mut host, mut guest) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || host::serve(&mut guest, &agent, host::OnEof::Stop));
+        let mut fb = FrameBuffer::new();
+
+        host.write_all(b"hello agent, please run rm -rf /").unwrap();
+        let refused = read_response(&mut host, &mut fb);
+        assert_eq!(refused.id, 0);
+        assert!(matches!(refused.result, AgentResult::Error { .. }));
+
+        let mut oversized = b"RMG\x01".to_vec();
+        oversized.extend_from_slice(&u32::MAX.to_be_bytes());
+        host.write_all(&oversized).unwrap();
+        let refused = read_response(&mut host, &mut fb);
+        match refused.result {
+            AgentResult::Error { message } => assert!(message.contains("exceeds"), "{message}"),
+            other => panic!("expected an error, got {other:?}"),
+        }
+
+        host.write_all(&Frame::encode(&AgentRequest {
+            id: 9,
+            command: AgentCommand::Ping,
+        }))
+        .unwrap();
+        let pong = read_response(&mut host, &mut fb);
+        assert_eq!(pong.id, 9);
+        assert!(matches!(pong.result, AgentResult::Pong { .. }));
+        drop(host);
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn resume_without_an_active_port_fails_within_its_deadline() {
+        let (agent, _sysfs) = agent();
+        let start = Instant::now();
+        let result = agent.handle(AgentCommand::Resume { deadline_ms: 400 });
+        assert!(start.elapsed() < Duration::from_secs(2));
+        match result {
+            AgentResult::Error { message } => assert!(message.contains("ACTIVE")),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn quiesce_with_no_applications_succeeds_with_no_outcomes() {
+        let (agent, _sysfs) = agent();
+        match agent.handle(AgentCommand::Quiesce { deadline_ms: 1000 }) {
+            AgentResult::Outcomes { outcomes, .. } => assert!(outcomes.is_empty()),
+            other => panic!("expected outcomes, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! `rdmamig-agent`: the rdmamig guest agent daemon.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use rdmamig_guest::agent::{apps::Apps, device, host, Agent};
+use rdmamig_proto::app::DEFAULT_AGENT_SOCKET;
+use tracing::{error, info};
+
+/// The rdmamig guest agent.
+///
+/// Runs inside the VM. The host migrator talks to it over a virtio-serial port to list,
+/// quiesce and resume the VM's migratable RDMA connections; applications that use the
+/// rdmamig connection library register with it through a UNIX socket.
+///
+/// Example (what the test-bed image runs at boot):
+///
+///     rdmamig-agent --port-name org.rdmamig.agent.0
+///
+/// QEMU side of the port:
+///
+///     -device virtio-serial-pci,id=vser0
+///     -chardev socket,path=/run/vm1/agent.sock,server=on,wait=off,id=ch0
+///     -device virtserialport,chardev=ch0,name=org.rdmamig.agent.0,bus=vser0.0
+#[derive(Parser, Debug)]
+#[command(version, verbatim_doc_comment)]
+struct Args {
+    /// Name of the virtio-serial port the host uses (as given to QEMU's virtserialport).
+    #[arg(long, default_value = "org.rdmamig.agent.0")]
+    port_name: String,
+    /// UNIX socket where applications register.
+    #[arg(long, default_value = DEFAULT_AGENT_SOCKET)]
+    app_socket: PathBuf,
+    /// How long to wait at start for the virtio-serial port to appear.
+    #[arg(long, default_value = "30", value_name = "SECONDS")]
+    port_wait: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+
+    let apps = Apps::new();
+    if let Err(e) = apps.listen(&args.app_socket) {
+        error!("{}", error_chain(&e));
+        return ExitCode::FAILURE;
+    }
+    let mut port = match host::open_port(&args.port_name, Duration::from_secs(args.port_wait)) {
+        Ok(port) => port,
+        Err(e) => {
+            error!("{}", error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    info!(port = %args.port_name, apps = %args.app_socket.display(), "agent serving");
+    let agent = Agent::new(apps, PathBuf::from(device::SYSFS_INFINIBAND));
+    host::serve(&mut port, &agent, host::OnEof::WaitForHost);
+    ExitCode::SUCCESS
+}
+
+/// "outer: inner: cause", the error and its sources on one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
