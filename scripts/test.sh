@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every rdmamig test: unit and property tests, real-QEMU component tests, and the
+# test-bed scenarios (QEMU TCG guests with Soft-RoCE in a network namespace of their own).
+# Installs what is missing first. Needs root (network namespaces, taps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+
+echo "==> format and lints"
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "==> unit, property and component tests"
+cargo test --release --workspace --exclude rdmamig-testbed
+
+echo "==> test-bed scenarios (one at a time: each runs several TCG guests)"
+cargo test --release -p rdmamig-testbed -- --test-threads=1
