@@ -1,1 +1,266 @@
-//! placeholder
+//! The library's side of the agent socket.
+//!
+//! Every [`crate::conn::Connection`] and [`crate::conn::Listener`] of the process registers
+//! here. On first registration a background thread connects to the agent's UNIX socket
+//! ([`rdmamig_proto::app::DEFAULT_AGENT_SOCKET`], or `$RDMAMIG_AGENT_SOCKET`, or the path set
+//! with [`set_agent_socket`]); while there is no agent it retries quietly every second, so the
+//! library works without one. Once connected it says Hello and answers Describe / Quiesce /
+//! Resume for all live connections; quiesce and resume run on all connections in parallel
+//! and report one outcome per connection.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
+use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent, DEFAULT_AGENT_SOCKET};
+use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
+use thiserror::Error;
+
+/// Environment variable naming the agent socket.
+pub const AGENT_SOCKET_ENV: &str = "RDMAMIG_AGENT_SOCKET";
+/// How often the background thread retries while no agent listens.
+const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Errors of the agent link (logged by the background thread; never fatal to connections).
+#[derive(Debug, Error)]
+pub enum RegistryError {
+    /// Reading from or writing to the agent socket failed.
+    #[error("agent socket {path}: I/O failed")]
+    Io {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent sent bytes that are not a frame.
+    #[error("agent socket {path}: bad frame")]
+    Frame {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: FrameError,
+    },
+}
+
+/// Something the agent can describe, quiesce and resume: a connection or a listener.
+pub(crate) trait Migratable: Send + Sync {
+    /// The connection's snapshot (None for listeners).
+    fn describe(&self) -> Option<ConnectionInfo>;
+    /// Quiesce within `deadline`.
+    fn quiesce(&self, deadline: Instant) -> Result<(), String>;
+    /// Resume within `deadline`.
+    fn resume(&self, deadline: Instant) -> Result<(), String>;
+    /// Listeners are quiesced after and resumed before connections.
+    fn is_listener(&self) -> bool;
+    /// The connection id (None for listeners).
+    fn conn_id(&self) -> Option<ConnectionId>;
+}
+
+struct Registry {
+    entries: Mutex<Vec<Weak<dyn Migratable>>>,
+    socket: Mutex<PathBuf>,
+    started: OnceLock<()>,
+}
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(|| Registry {
+        entries: Mutex::new(Vec::new()),
+        socket: Mutex::new(
+            std::env::var_os(AGENT_SOCKET_ENV)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_AGENT_SOCKET)),
+        ),
+        started: OnceLock::new(),
+    })
+}
+
+/// Sets the agent socket path (takes effect at the next connection attempt).
+pub fn set_agent_socket(path: impl Into<PathBuf>) {
+    *registry().socket.lock().unwrap_or_else(|p| p.into_inner()) = path.into();
+}
+
+pub(crate) fn register(entry: Weak<dyn Migratable>) {
+    let reg = registry();
+    {
+        let mut entries = reg.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.retain(|e| e.strong_count() > 0);
+        entries.push(entry);
+    }
+    reg.started.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("rdmamig-registry".into())
+            .spawn(agent_link);
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start the agent link thread");
+        }
+    });
+}
+
+fn live() -> Vec<std::sync::Arc<dyn Migratable>> {
+    let entries = registry().entries.lock().unwrap_or_else(|p| p.into_inner());
+    entries.iter().filter_map(|e| e.upgrade()).collect()
+}
+
+/// Answers one agent request for every live connection of the process.
+pub fn handle(request: &AgentToApp) -> AppToAgent {
+    let all = live();
+    match *request {
+        AgentToApp::Describe { request } => AppToAgent::Reply {
+            request,
+            body: AppReply::Connections {
+                connections: all.iter().filter_map(|c| c.describe()).collect(),
+            },
+        },
+        AgentToApp::Quiesce {
+            request,
+            deadline_ms,
+        } => {
+            let deadline = Instant::now() + Duration::from_millis(deadline_ms);
+            let (listeners, conns): (Vec<_>, Vec<_>) =
+                all.into_iter().partition(|c| c.is_listener());
+            let mut outcomes = run_all(&conns, |c| c.quiesce(deadline));
+            outcomes.extend(run_all(&listeners, |l| l.quiesce(deadline)));
+            AppToAgent::Reply {
+                request,
+                body: AppReply::Outcomes { outcomes },
+            }
+        }
+        AgentToApp::Resume {
+            request,
+            deadline_ms,
+        } => {
+            let deadline = Instant::now() + Duration::from_millis(deadline_ms);
+            let (listeners, conns): (Vec<_>, Vec<_>) =
+                all.into_iter().partition(|c| c.is_listener());
+            let mut outcomes = run_all(&listeners, |l| l.resume(deadline));
+            outcomes.extend(run_all(&conns, |c| c.resume(deadline)));
+            AppToAgent::Reply {
+                request,
+                body: AppReply::Outcomes { outcomes },
+            }
+        }
+    }
+}
+
+/// Runs `op` on every entry in parallel; listeners' failures are reported with id 0.
+fn run_all(
+    entries: &[std::sync::Arc<dyn Migratable>],
+    op: impl Fn(&dyn Migratable) -> Result<(), String> + Sync,
+) -> Vec<ConnectionOutcome> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = entries
+            .iter()
+            .map(|e| {
+                let op = &op;
+                s.spawn(move || {
+                    let start = Instant::now();
+                    let result = op(e.as_ref());
+                    (e.conn_id(), start.elapsed(), result)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| {
+                let (id, elapsed, result) =
+                    h.join()
+                        .unwrap_or((None, Duration::ZERO, Err("panicked".into())));
+                // Listeners appear only when they failed: the agent lists connections.
+                if id.is_none() && result.is_ok() {
+                    return None;
+                }
+                Some(ConnectionOutcome {
+                    id: id.unwrap_or(0),
+                    ok: result.is_ok(),
+                    elapsed_ms: elapsed.as_millis() as u64,
+                    error: result.err().map(|e| {
+                        if id.is_none() {
+                            format!("listener: {e}")
+                        } else {
+                            e
+                        }
+                    }),
+                })
+            })
+            .collect()
+    })
+}
+
+fn agent_link() {
+    let mut logged = false;
+    loop {
+        let path = registry()
+            .socket
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match UnixStream::connect(&path) {
+            Ok(stream) => {
+                logged = false;
+                tracing::info!(path = %path.display(), "connected to the rdmamig agent");
+                if let Err(e) = serve(stream, &path) {
+                    tracing::warn!(error = %e, "agent link ended");
+                }
+            }
+            Err(e) => {
+                if !logged {
+                    tracing::debug!(path = %path.display(), error = %e, "no rdmamig agent; retrying every second");
+                    logged = true;
+                }
+            }
+        }
+        std::thread::sleep(RETRY_INTERVAL);
+    }
+}
+
+fn serve(mut stream: UnixStream, path: &std::path::Path) -> Result<(), RegistryError> {
+    let io = |source| RegistryError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let hello = AppToAgent::Hello {
+        pid: std::process::id(),
+        program: std::env::args()
+            .next()
+            .unwrap_or_default()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string(),
+    };
+    stream.write_all(&Frame::encode(&hello)).map_err(io)?;
+    let mut fb = FrameBuffer::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            return Ok(());
+        }
+        fb.push(&buf[..n]);
+        loop {
+            let frame = match fb.pop() {
+                Ok(f) => f,
+                Err(FrameError::Incomplete { .. }) => break,
+                Err(source) => {
+                    return Err(RegistryError::Frame {
+                        path: path.to_owned(),
+                        source,
+                    })
+                }
+            };
+            match frame.decode::<AgentToApp>() {
+                Ok(req) => {
+                    let reply = handle(&req);
+                    stream.write_all(&Frame::encode(&reply)).map_err(io)?;
+                }
+                Err(e) => tracing::warn!(error = %e, "ignoring a malformed agent request"),
+            }
+        }
+    }
+}

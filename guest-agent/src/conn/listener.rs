@@ -1,0 +1,423 @@
+//! The listener: accepts new connections (HELLO) and routes RESUME connect requests to the
+//! existing connection they name, after checking its token.
+//!
+//! A listener thread owns the event channel and the listening cm id. Quiesce releases the
+//! listening id (it holds the device's context); resume binds and listens again, retrying
+//! until the address exists on the new device.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::agent::{ConnectionInfo, Role};
+use rdmamig_proto::ConnectionId;
+
+use super::wire::{token_eq, PrivateData, Reject, RejectReason};
+use super::worker::{self, Start};
+use super::{Command, ConnError, ConnShared, ConnectOptions, Connection};
+use crate::registry::{self, Migratable};
+use crate::verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel};
+
+const BACKLOG: i32 = 64;
+const RELISTEN_INTERVAL: Duration = Duration::from_millis(100);
+
+enum ListenerCommand {
+    Quiesce(mpsc::Sender<Result<(), String>>),
+    Resume(Instant, mpsc::Sender<Result<(), String>>),
+}
+
+pub(crate) struct ListenerShared {
+    addr: SocketAddr,
+    opts: ConnectOptions,
+    queue: Mutex<VecDeque<Connection>>,
+    cond: Condvar,
+    routes: Mutex<HashMap<ConnectionId, Weak<ConnShared>>>,
+    failure: Mutex<Option<String>>,
+    commands: Mutex<mpsc::Sender<ListenerCommand>>,
+}
+
+impl ListenerShared {
+    fn request(
+        &self,
+        cmd: ListenerCommand,
+        rx: mpsc::Receiver<Result<(), String>>,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        self.commands
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(cmd)
+            .map_err(|_| "the listener thread has stopped".to_string())?;
+        let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
+        rx.recv_timeout(wait)
+            .map_err(|_| "the listener did not answer in time".to_string())?
+    }
+}
+
+impl Migratable for ListenerShared {
+    fn describe(&self) -> Option<ConnectionInfo> {
+        None
+    }
+
+    fn quiesce(&self, deadline: Instant) -> Result<(), String> {
+        let (tx, rx) = mpsc::channel();
+        self.request(ListenerCommand::Quiesce(tx), rx, deadline)
+    }
+
+    fn resume(&self, deadline: Instant) -> Result<(), String> {
+        let (tx, rx) = mpsc::channel();
+        self.request(ListenerCommand::Resume(deadline, tx), rx, deadline)
+    }
+
+    fn is_listener(&self) -> bool {
+        true
+    }
+
+    fn conn_id(&self) -> Option<ConnectionId> {
+        None
+    }
+}
+
+/// Accepts migratable connections on an address.
+pub struct Listener {
+    shared: Arc<ListenerShared>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Listener({})", self.shared.addr)
+    }
+}
+
+impl Listener {
+    /// Binds and listens on `addr` (an address of an RDMA device).
+    pub fn bind(addr: SocketAddr, opts: &ConnectOptions) -> Result<Listener, ConnError> {
+        let chan = EventChannel::new().map_err(|source| ConnError::Verbs {
+            op: "creating the listener's event channel",
+            source,
+        })?;
+        let id = listen_on(&chan, addr).map_err(|source| ConnError::Verbs {
+            op: "listening",
+            source,
+        })?;
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(ListenerShared {
+            addr,
+            opts: opts.clone(),
+            queue: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+            routes: Mutex::new(HashMap::new()),
+            failure: Mutex::new(None),
+            commands: Mutex::new(tx),
+        });
+        let weak = Arc::downgrade(&shared);
+        std::thread::Builder::new()
+            .name("rdmamig-listener".into())
+            .spawn(move || {
+                let mut t = ListenerThread {
+                    shared: weak,
+                    rx,
+                    id: Some(id),
+                    chan,
+                    state: Listening::Up,
+                    addr,
+                };
+                t.run();
+            })
+            .map_err(|source| ConnError::Spawn {
+                what: "listener thread",
+                source,
+            })?;
+        if opts.register {
+            let arc: Arc<dyn Migratable> = shared.clone();
+            registry::register(Arc::downgrade(&arc));
+        }
+        Ok(Listener { shared })
+    }
+
+    /// The address listened on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.addr
+    }
+
+    /// Waits up to `timeout` for a new, established connection.
+    pub fn accept(&self, timeout: Duration) -> Result<Connection, ConnError> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(c) = q.pop_front() {
+                return Ok(c);
+            }
+            if let Some(reason) = self
+                .shared
+                .failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+            {
+                return Err(ConnError::ListenerFailed {
+                    addr: self.shared.addr,
+                    reason,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ConnError::AcceptTimedOut {
+                    addr: self.shared.addr,
+                    after: timeout,
+                });
+            }
+            q = self
+                .shared
+                .cond
+                .wait_timeout(q, (deadline - now).min(Duration::from_millis(200)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        // Connections not yet accepted hold the shared state: release them to break the cycle.
+        self.shared
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+fn listen_on(chan: &EventChannel, addr: SocketAddr) -> Result<CmId, crate::verbs::VerbsError> {
+    let id = CmId::create(chan)?;
+    id.bind(addr)?;
+    id.listen(BACKLOG)?;
+    Ok(id)
+}
+
+enum Listening {
+    Up,
+    /// Quiesced: no listening id until a resume (or until `hold_until`).
+    Quiesced {
+        hold_until: Instant,
+    },
+    /// Lost (device removal) or resuming: re-listen every RELISTEN_INTERVAL.
+    Retrying {
+        next: Instant,
+        resume: Option<(Instant, mpsc::Sender<Result<(), String>>)>,
+    },
+}
+
+struct ListenerThread {
+    shared: Weak<ListenerShared>,
+    rx: mpsc::Receiver<ListenerCommand>,
+    // Before `chan`: the listening id goes first.
+    id: Option<CmId>,
+    chan: EventChannel,
+    state: Listening,
+    addr: SocketAddr,
+}
+
+impl ListenerThread {
+    fn run(&mut self) {
+        let mut last_refresh = Instant::now();
+        loop {
+            let Some(shared) = self.shared.upgrade() else {
+                break;
+            };
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.command(cmd, &shared);
+            }
+            match self.chan.get_event(Duration::from_millis(100)) {
+                Ok(Some(ev)) => self.event(ev, &shared),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "listener: reading CM events failed"),
+            }
+            let now = Instant::now();
+            if self.id.is_none() && now.duration_since(last_refresh) >= RELISTEN_INTERVAL {
+                let _ = refresh_device_list();
+                last_refresh = now;
+            }
+            self.tick(now, &shared);
+        }
+        self.id = None;
+    }
+
+    fn command(&mut self, cmd: ListenerCommand, shared: &ListenerShared) {
+        match cmd {
+            ListenerCommand::Quiesce(reply) => {
+                self.id = None;
+                let _ = refresh_device_list();
+                self.state = Listening::Quiesced {
+                    hold_until: Instant::now() + shared.opts.peer_wait,
+                };
+                let _ = reply.send(Ok(()));
+            }
+            ListenerCommand::Resume(deadline, reply) => {
+                if self.id.is_some() {
+                    let _ = reply.send(Ok(()));
+                    return;
+                }
+                self.state = Listening::Retrying {
+                    next: Instant::now(),
+                    resume: Some((deadline, reply)),
+                };
+            }
+        }
+    }
+
+    fn tick(&mut self, now: Instant, _shared: &ListenerShared) {
+        match &mut self.state {
+            Listening::Up => {}
+            Listening::Quiesced { hold_until } => {
+                if now >= *hold_until {
+                    self.state = Listening::Retrying {
+                        next: now,
+                        resume: None,
+                    };
+                }
+            }
+            Listening::Retrying { next, resume } => {
+                if now < *next {
+                    return;
+                }
+                match listen_on(&self.chan, self.addr) {
+                    Ok(id) => {
+                        self.id = Some(id);
+                        if let Some((_, reply)) = resume.take() {
+                            let _ = reply.send(Ok(()));
+                        }
+                        self.state = Listening::Up;
+                        tracing::debug!(addr = %self.addr, "listening again");
+                    }
+                    Err(e) => {
+                        *next = now + RELISTEN_INTERVAL;
+                        if resume.as_ref().is_some_and(|(d, _)| now >= *d) {
+                            let (_, reply) = resume.take().expect("checked");
+                            let _ = reply.send(Err(format!(
+                                "re-listening on {} failed until the deadline: {e}",
+                                self.addr
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn event(&mut self, mut ev: CmEvent, shared: &Arc<ListenerShared>) {
+        match ev.kind {
+            CmEventKind::ConnectRequest => {
+                let Some(new_id) = ev.new_id.take() else {
+                    return;
+                };
+                self.request(new_id, &ev.private_data, shared);
+            }
+            CmEventKind::DeviceRemoval if self.id.as_ref().is_some_and(|id| id.key() == ev.id) => {
+                // Release the device at once; listen again when an address is back.
+                self.id = None;
+                let _ = refresh_device_list();
+                if matches!(self.state, Listening::Up) {
+                    self.state = Listening::Retrying {
+                        next: Instant::now() + RELISTEN_INTERVAL,
+                        resume: None,
+                    };
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn request(&mut self, new_id: CmId, private_data: &[u8], shared: &Arc<ListenerShared>) {
+        let reject = |id: &CmId, conn_id, reason| {
+            let pd = PrivateData::Reject(Reject { conn_id, reason });
+            let _ = id.reject(&pd.encode());
+        };
+        let hello = match PrivateData::decode(private_data) {
+            Ok(PrivateData::Hello(h)) | Ok(PrivateData::Resume(h)) => h,
+            _ => {
+                reject(&new_id, 0, RejectReason::Malformed);
+                return;
+            }
+        };
+        let existing = {
+            let mut routes = shared.routes.lock().unwrap_or_else(|p| p.into_inner());
+            routes.retain(|_, w| w.strong_count() > 0);
+            routes.get(&hello.conn_id).and_then(|w| w.upgrade())
+        };
+        let is_resume = matches!(
+            PrivateData::decode(private_data),
+            Ok(PrivateData::Resume(_))
+        );
+        match existing {
+            Some(conn) => {
+                if !token_eq(&conn.token, &hello.token) {
+                    tracing::warn!(
+                        conn = format_args!("{:016x}", hello.conn_id),
+                        "RESUME with a wrong token rejected"
+                    );
+                    reject(&new_id, hello.conn_id, RejectReason::BadToken);
+                    return;
+                }
+                if let Err(Command::Incoming { id, .. }) =
+                    conn.command(Command::Incoming { id: new_id, hello })
+                {
+                    reject(&id, hello.conn_id, RejectReason::Gone);
+                }
+            }
+            None if is_resume => reject(&new_id, hello.conn_id, RejectReason::UnknownConnection),
+            None => self.new_connection(new_id, hello, shared),
+        }
+    }
+
+    fn new_connection(
+        &mut self,
+        id: CmId,
+        hello: super::wire::Hello,
+        shared: &Arc<ListenerShared>,
+    ) {
+        let (conn, rx) = match ConnShared::new(
+            hello.conn_id,
+            hello.token,
+            Role::Passive,
+            shared.opts.clone(),
+        ) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot create a connection");
+                return;
+            }
+        };
+        shared
+            .routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hello.conn_id, Arc::downgrade(&conn));
+        let weak = Arc::downgrade(shared);
+        let on_ready = Box::new(move |sh: Arc<ConnShared>| match weak.upgrade() {
+            Some(l) => {
+                let c = Connection::from_shared(sh, Some(l.clone()));
+                l.queue
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(c);
+                l.cond.notify_all();
+            }
+            // Nobody will accept it: dropping the handle closes it.
+            None => drop(Connection::from_shared(sh, None)),
+        });
+        if let Err(e) = worker::spawn(
+            conn,
+            rx,
+            Start::Passive {
+                id,
+                hello,
+                on_ready,
+            },
+        ) {
+            tracing::warn!(error = %e, "cannot start a connection worker");
+        }
+    }
+}

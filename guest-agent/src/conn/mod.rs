@@ -1,0 +1,594 @@
+//! The migratable connection: a reliable, ordered, exactly-once message stream over an RC
+//! QP set up with rdma_cm, that survives a quiesce, a device swap and a resume.
+//!
+//! One worker thread per connection owns every verbs object of it; the [`Connection`]
+//! handle (Send + Sync) talks to the worker through shared queues. The protocol (wire
+//! header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is described in
+//! docs/architecture.md.
+//!
+//! ```no_run
+//! use rdmamig_guest::conn::{ConnectOptions, Connection, Listener};
+//! use std::time::Duration;
+//! let opts = ConnectOptions::default();
+//! let listener = Listener::bind("10.77.0.1:7471".parse().unwrap(), &opts)?;
+//! let conn = listener.accept(Duration::from_secs(30))?;
+//! conn.send(b"hello")?;
+//! let reply = conn.recv(Duration::from_secs(1))?;
+//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! ```
+
+mod credits;
+mod listener;
+pub mod wire;
+mod worker;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
+use rdmamig_proto::ConnectionId;
+use thiserror::Error;
+
+pub use listener::Listener;
+
+use crate::registry::{self, Migratable};
+use crate::verbs::{CmId, VerbsError};
+use wire::Hello;
+
+/// Settings of a connection (and of the connections a listener accepts).
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Largest message accepted by `send`, in bytes.
+    pub max_message: usize,
+    /// Receives pre-posted per QP (the credits the peer gets).
+    pub recv_depth: u32,
+    /// Messages kept for (re)transmission; `send` waits while this many are unacknowledged.
+    pub max_outbox: usize,
+    /// How long `send` waits for room in the outbox.
+    pub send_timeout: Duration,
+    /// How long `Connection::connect` keeps trying.
+    pub connect_timeout: Duration,
+    /// How long a connection waits for its peer to come back (after a PAUSE from a moving
+    /// peer, a lost link, or its own quiesce without resume) before failing.
+    pub peer_wait: Duration,
+    /// QP ACK timeout exponent (4.096 us x 2^n): 14 = ~67 ms, 16 = ~268 ms.
+    pub ack_timeout: u8,
+    /// QP transport retries (below 7: Soft-RoCE treats 7 as infinite).
+    pub retry_count: u8,
+    /// RNR retries (below 7).
+    pub rnr_retry: u8,
+    /// Pause between reconnect attempts.
+    pub reconnect_interval: Duration,
+    /// Register with the agent (see [`crate::registry`]).
+    pub register: bool,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        Self {
+            max_message: 4096,
+            recv_depth: 64,
+            max_outbox: 4096,
+            send_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            peer_wait: Duration::from_secs(60),
+            ack_timeout: 16,
+            retry_count: 6,
+            rnr_retry: 6,
+            reconnect_interval: Duration::from_millis(150),
+            register: true,
+        }
+    }
+}
+
+/// Errors of the migratable connection.
+#[derive(Debug, Error)]
+pub enum ConnError {
+    /// The connection was closed by this side.
+    #[error("connection {id:016x} is closed")]
+    Closed {
+        /// The connection.
+        id: ConnectionId,
+    },
+    /// The peer closed the connection (and everything it sent has been received).
+    #[error("connection {id:016x} was closed by the peer")]
+    PeerClosed {
+        /// The connection.
+        id: ConnectionId,
+    },
+    /// The connection failed for good.
+    #[error("connection {id:016x} failed: {reason}")]
+    Failed {
+        /// The connection.
+        id: ConnectionId,
+        /// What happened.
+        reason: String,
+    },
+    /// Connecting did not succeed before the connect deadline.
+    #[error("connecting to {peer} timed out after {after:?} (last error: {last})")]
+    ConnectTimedOut {
+        /// The peer.
+        peer: SocketAddr,
+        /// The deadline.
+        after: Duration,
+        /// The last attempt's error.
+        last: String,
+    },
+    /// The peer refused the connection.
+    #[error("{peer} rejected the connection: {reason}")]
+    Rejected {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// `send` found the outbox full until its deadline.
+    #[error(
+        "send on connection {id:016x} timed out after {after:?}: {queued} messages unacknowledged"
+    )]
+    SendTimedOut {
+        /// The connection.
+        id: ConnectionId,
+        /// The deadline.
+        after: Duration,
+        /// Messages waiting.
+        queued: usize,
+    },
+    /// The message is larger than `max_message`.
+    #[error("message of {len} bytes exceeds the limit of {max}")]
+    MessageTooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// `accept` found no connection before its deadline.
+    #[error("no connection arrived at {addr} within {after:?}")]
+    AcceptTimedOut {
+        /// The listener's address.
+        addr: SocketAddr,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The listener failed or was shut down.
+    #[error("listener on {addr} failed: {reason}")]
+    ListenerFailed {
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// A verbs or rdma_cm call failed while setting up.
+    #[error("{op} failed")]
+    Verbs {
+        /// What was being done.
+        op: &'static str,
+        /// The cause.
+        #[source]
+        source: VerbsError,
+    },
+    /// A thread or descriptor could not be created.
+    #[error("could not start the connection's {what}")]
+    Spawn {
+        /// What.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The operation is not valid in the connection's state.
+    #[error("connection {id:016x}: cannot {op} while {state:?}")]
+    InvalidState {
+        /// The connection.
+        id: ConnectionId,
+        /// The operation.
+        op: &'static str,
+        /// The state.
+        state: ConnectionState,
+    },
+}
+
+/// Counters of one connection, for tools and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConnStats {
+    /// Times a QP was established (1 + reconnects).
+    pub established: u64,
+    /// Messages re-sent after a reconnect.
+    pub replayed: u64,
+    /// Duplicate messages dropped on receipt.
+    pub duplicates_dropped: u64,
+    /// Link-level events the connection recovered from (not errors for the application).
+    pub link_events: Vec<String>,
+}
+
+/// What the application and the worker share.
+pub(crate) struct State {
+    pub(crate) conn_state: ConnectionState,
+    /// Unacknowledged messages, oldest first, contiguous sequence numbers.
+    pub(crate) outbox: VecDeque<(u64, Vec<u8>)>,
+    /// Next sequence number to assign.
+    pub(crate) next_seq: u64,
+    /// Messages received in order, not yet taken by `recv`.
+    pub(crate) inbox: VecDeque<Vec<u8>>,
+    /// Highest sequence number received.
+    pub(crate) last_received: u64,
+    /// Why the connection failed, once it has.
+    pub(crate) failure: Option<String>,
+    /// The peer closed.
+    pub(crate) peer_closed: bool,
+    pub(crate) local: String,
+    pub(crate) peer: String,
+    pub(crate) stats: ConnStats,
+}
+
+pub(crate) enum Command {
+    Quiesce {
+        deadline: Instant,
+        reply: mpsc::Sender<Result<(), String>>,
+    },
+    Resume {
+        deadline: Instant,
+        reply: mpsc::Sender<Result<(), String>>,
+    },
+    Incoming {
+        id: CmId,
+        hello: Hello,
+    },
+    Close {
+        deadline: Instant,
+        reply: mpsc::Sender<Result<(), String>>,
+    },
+}
+
+pub(crate) struct ConnShared {
+    pub(crate) id: ConnectionId,
+    pub(crate) token: [u8; 16],
+    pub(crate) role: Role,
+    pub(crate) opts: ConnectOptions,
+    pub(crate) state: Mutex<State>,
+    pub(crate) cond: Condvar,
+    pub(crate) wake: EventFd,
+    commands: Mutex<mpsc::Sender<Command>>,
+}
+
+impl ConnShared {
+    fn new(
+        id: ConnectionId,
+        token: [u8; 16],
+        role: Role,
+        opts: ConnectOptions,
+    ) -> Result<(Arc<Self>, mpsc::Receiver<Command>), ConnError> {
+        let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map_err(|e| ConnError::Spawn {
+                what: "wake-up eventfd",
+                source: std::io::Error::from_raw_os_error(e as i32),
+            })?;
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Self {
+            id,
+            token,
+            role,
+            opts,
+            state: Mutex::new(State {
+                conn_state: ConnectionState::Connecting,
+                outbox: VecDeque::new(),
+                next_seq: 1,
+                inbox: VecDeque::new(),
+                last_received: 0,
+                failure: None,
+                peer_closed: false,
+                local: String::new(),
+                peer: String::new(),
+                stats: ConnStats::default(),
+            }),
+            cond: Condvar::new(),
+            wake,
+            commands: Mutex::new(tx),
+        });
+        Ok((shared, rx))
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn notify_worker(&self) {
+        let _ = self.wake.write(1);
+    }
+
+    pub(crate) fn command(&self, cmd: Command) -> Result<(), Command> {
+        let tx = self.commands.lock().unwrap_or_else(|p| p.into_inner());
+        tx.send(cmd).map_err(|e| e.0)?;
+        drop(tx);
+        self.notify_worker();
+        Ok(())
+    }
+
+    fn request(
+        &self,
+        make: impl FnOnce(mpsc::Sender<Result<(), String>>) -> Command,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        let (tx, rx) = mpsc::channel();
+        if self.command(make(tx)).is_err() {
+            let st = self.lock();
+            return match st.conn_state {
+                ConnectionState::Closed => Ok(()),
+                s => Err(format!("connection worker has stopped ({s:?})")),
+            };
+        }
+        // The worker answers by the deadline itself; the margin covers one blocking step.
+        let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+        rx.recv_timeout(wait)
+            .map_err(|_| "the connection did not answer in time".to_string())?
+    }
+
+    fn info(&self) -> ConnectionInfo {
+        let st = self.lock();
+        ConnectionInfo {
+            id: self.id,
+            pid: std::process::id(),
+            role: self.role,
+            local: st.local.clone(),
+            peer: st.peer.clone(),
+            state: st.conn_state,
+            last_sent: st.next_seq - 1,
+            last_received: st.last_received,
+            unacked: st.outbox.len() as u64,
+        }
+    }
+}
+
+impl Migratable for ConnShared {
+    fn describe(&self) -> Option<ConnectionInfo> {
+        Some(self.info())
+    }
+
+    fn quiesce(&self, deadline: Instant) -> Result<(), String> {
+        self.request(|reply| Command::Quiesce { deadline, reply }, deadline)
+    }
+
+    fn resume(&self, deadline: Instant) -> Result<(), String> {
+        self.request(|reply| Command::Resume { deadline, reply }, deadline)
+    }
+
+    fn is_listener(&self) -> bool {
+        false
+    }
+
+    fn conn_id(&self) -> Option<ConnectionId> {
+        Some(self.id)
+    }
+}
+
+/// A migratable connection. Cheap to share between threads (Send + Sync); dropping the last
+/// handle closes it.
+pub struct Connection {
+    shared: Arc<ConnShared>,
+    // Keeps the listener that routes RESUME requests to this connection alive.
+    _listener: Option<Arc<listener::ListenerShared>>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Connection({:016x})", self.shared.id)
+    }
+}
+
+impl Connection {
+    /// Connects to a [`Listener`] at `peer`, retrying until `opts.connect_timeout`.
+    pub fn connect(peer: SocketAddr, opts: &ConnectOptions) -> Result<Connection, ConnError> {
+        let id: ConnectionId = rand::random::<u64>() | 1;
+        let token: [u8; 16] = rand::random();
+        let (shared, rx) = ConnShared::new(id, token, Role::Active, opts.clone())?;
+        let (ready_tx, ready_rx) = mpsc::channel();
+        worker::spawn(
+            shared.clone(),
+            rx,
+            worker::Start::Active {
+                peer,
+                ready: ready_tx,
+            },
+        )?;
+        let wait = opts.connect_timeout + Duration::from_secs(10);
+        match ready_rx.recv_timeout(wait) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(ConnError::ConnectTimedOut {
+                    peer,
+                    after: opts.connect_timeout,
+                    last: "the connection worker did not report".into(),
+                })
+            }
+        }
+        Ok(Self::from_shared(shared, None))
+    }
+
+    pub(crate) fn from_shared(
+        shared: Arc<ConnShared>,
+        listener: Option<Arc<listener::ListenerShared>>,
+    ) -> Connection {
+        if shared.opts.register {
+            let weak: std::sync::Weak<dyn Migratable> = {
+                let arc: Arc<dyn Migratable> = shared.clone();
+                Arc::downgrade(&arc)
+            };
+            registry::register(weak);
+        }
+        Connection {
+            shared,
+            _listener: listener,
+        }
+    }
+
+    /// The connection's id.
+    pub fn id(&self) -> ConnectionId {
+        self.shared.id
+    }
+
+    /// Queues `msg` for delivery; waits up to `send_timeout` while the outbox is full.
+    /// Accepted while quiesced or resuming: it is sent once the connection is back.
+    pub fn send(&self, msg: &[u8]) -> Result<(), ConnError> {
+        let opts = &self.shared.opts;
+        if msg.len() > opts.max_message {
+            return Err(ConnError::MessageTooLarge {
+                len: msg.len(),
+                max: opts.max_message,
+            });
+        }
+        let deadline = Instant::now() + opts.send_timeout;
+        let mut st = self.shared.lock();
+        loop {
+            self.check_usable(&st)?;
+            if st.outbox.len() < opts.max_outbox {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ConnError::SendTimedOut {
+                    id: self.shared.id,
+                    after: opts.send_timeout,
+                    queued: st.outbox.len(),
+                });
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        st.outbox.push_back((seq, msg.to_vec()));
+        drop(st);
+        self.shared.notify_worker();
+        Ok(())
+    }
+
+    fn check_usable(&self, st: &State) -> Result<(), ConnError> {
+        let id = self.shared.id;
+        if let Some(reason) = &st.failure {
+            return Err(ConnError::Failed {
+                id,
+                reason: reason.clone(),
+            });
+        }
+        if st.conn_state == ConnectionState::Closed {
+            return Err(if st.peer_closed {
+                ConnError::PeerClosed { id }
+            } else {
+                ConnError::Closed { id }
+            });
+        }
+        if st.peer_closed {
+            return Err(ConnError::PeerClosed { id });
+        }
+        Ok(())
+    }
+
+    /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.
+    pub fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, ConnError> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(msg) = st.inbox.pop_front() {
+                return Ok(Some(msg));
+            }
+            self.check_usable(&st)?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Waits up to `timeout` until every message sent so far has been acknowledged by the
+    /// peer; returns whether it was.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        while !st.outbox.is_empty() && st.failure.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st.outbox.is_empty()
+    }
+
+    /// A snapshot for the agent.
+    pub fn info(&self) -> ConnectionInfo {
+        self.shared.info()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ConnStats {
+        self.shared.lock().stats.clone()
+    }
+
+    /// Quiesces this connection (as the agent would): see the module docs.
+    pub fn quiesce(&self, timeout: Duration) -> Result<(), ConnError> {
+        self.shared
+            .quiesce(Instant::now() + timeout)
+            .map_err(|reason| ConnError::Failed {
+                id: self.shared.id,
+                reason: format!("quiesce: {reason}"),
+            })
+    }
+
+    /// Resumes this connection (as the agent would).
+    pub fn resume(&self, timeout: Duration) -> Result<(), ConnError> {
+        self.shared
+            .resume(Instant::now() + timeout)
+            .map_err(|reason| ConnError::Failed {
+                id: self.shared.id,
+                reason: format!("resume: {reason}"),
+            })
+    }
+
+    /// Closes the connection: waits (up to 2 s) for the outbox to be acknowledged, tells the
+    /// peer, disconnects and releases everything.
+    pub fn close(&self) -> Result<(), ConnError> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        match self
+            .shared
+            .request(|reply| Command::Close { deadline, reply }, deadline)
+        {
+            Ok(()) => Ok(()),
+            Err(reason) => Err(ConnError::Failed {
+                id: self.shared.id,
+                reason: format!("close: {reason}"),
+            }),
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // The handle is the application's only one (not Clone): dropping it closes the
+        // connection. The registry and the listener hold only Weak references.
+        let (tx, _rx) = mpsc::channel();
+        let _ = self.shared.command(Command::Close {
+            deadline: Instant::now() + Duration::from_secs(1),
+            reply: tx,
+        });
+    }
+}

@@ -1,0 +1,1053 @@
+//! The connection's worker thread: owns every verbs object of one connection and runs its
+//! state machine (connect / accept, data path, quiesce, resume, replay, close).
+
+use std::net::SocketAddr;
+use std::os::fd::AsFd;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use rdmamig_proto::agent::ConnectionState;
+
+use super::credits::{classify, Arrival, Credits};
+use super::wire::{
+    Accept, Header, Hello, Kind, PrivateData, Reject, RejectReason, FLAG_MOVING, HEADER_LEN,
+};
+use super::{Command, ConnError, ConnShared};
+use crate::verbs::{
+    refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
+    EventChannel, MemoryRegion, ProtectionDomain, QpCaps, VerbsError, WorkCompletion,
+};
+
+/// wr_id of receives: RECV_BASE + slot; sends use the slot number.
+const RECV_BASE: u64 = 1 << 32;
+/// Credits DATA leaves for control messages.
+const RESERVE: u64 = 4;
+/// Extra send slots beyond the receive depth (room for control messages).
+const EXTRA_SEND_SLOTS: u32 = 8;
+/// Bounds of the set-up steps of one connect attempt.
+const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
+const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
+/// How long to wait for DISCONNECTED after rdma_disconnect.
+const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
+/// How often the device list is refreshed while the connection holds no device.
+const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+
+type Reply = mpsc::Sender<Result<(), String>>;
+
+/// How the worker starts.
+pub(crate) enum Start {
+    /// Connect to `peer` with HELLO; report on `ready`.
+    Active {
+        peer: SocketAddr,
+        ready: mpsc::Sender<Result<(), ConnError>>,
+    },
+    /// Accept the HELLO connect request on `id`; `on_ready` gets the connection once
+    /// established.
+    Passive {
+        id: CmId,
+        hello: Hello,
+        on_ready: Box<dyn FnOnce(Arc<ConnShared>) + Send>,
+    },
+}
+
+pub(crate) fn spawn(
+    sh: Arc<ConnShared>,
+    rx: mpsc::Receiver<Command>,
+    start: Start,
+) -> Result<(), ConnError> {
+    let chan = EventChannel::new().map_err(|source| ConnError::Verbs {
+        op: "creating the connection's event channel",
+        source,
+    })?;
+    std::thread::Builder::new()
+        .name(format!("rdmamig-conn-{:04x}", sh.id & 0xffff))
+        .spawn(move || {
+            let slot = HEADER_LEN + sh.opts.max_message;
+            let mut w = Worker {
+                sh,
+                rx,
+                chan,
+                link: None,
+                down: Down::Awaiting {
+                    until: Instant::now(),
+                },
+                peer: None,
+                quiesce_op: None,
+                resume_op: None,
+                close_op: None,
+                next_attempt: Instant::now(),
+                last_refresh: Instant::now(),
+                last_error: String::new(),
+                slot,
+                wcs: Vec::with_capacity(64),
+                done: false,
+            };
+            w.start(start);
+            w.run();
+        })
+        .map_err(|source| ConnError::Spawn {
+            what: "worker thread",
+            source,
+        })?;
+    Ok(())
+}
+
+/// The verbs objects of one QP. `Drop` destroys the QP, then the fields drop in order:
+/// CQ, completion channel, MRs, PD, and the cm id last.
+struct Endpoint {
+    cq: CompletionQueue,
+    comp: CompletionChannel,
+    send_mr: MemoryRegion,
+    recv_mr: MemoryRegion,
+    _pd: ProtectionDomain,
+    id: CmId,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.id.destroy_qp();
+    }
+}
+
+fn build_endpoint(mut id: CmId, depth: u32, slot: usize) -> Result<Endpoint, VerbsError> {
+    let send_slots = depth + EXTRA_SEND_SLOTS;
+    let pd = id.alloc_pd()?;
+    let comp = id.create_comp_channel()?;
+    let cq = comp.create_cq(send_slots + depth)?;
+    id.create_qp(
+        &pd,
+        &cq,
+        QpCaps {
+            max_send_wr: send_slots,
+            max_recv_wr: depth,
+            max_inline_data: 0,
+        },
+    )?;
+    let send_mr = pd.register(send_slots as usize * slot)?;
+    let recv_mr = pd.register(depth as usize * slot)?;
+    for i in 0..depth as usize {
+        id.post_recv(&recv_mr, i * slot, slot, RECV_BASE + i as u64)?;
+    }
+    cq.req_notify()?;
+    Ok(Endpoint {
+        cq,
+        comp,
+        send_mr,
+        recv_mr,
+        _pd: pd,
+        id,
+    })
+}
+
+/// Our own quiesce in progress on a live link.
+#[derive(Debug, Default)]
+struct Pause {
+    sent: bool,
+    got_ack: bool,
+}
+
+struct Link {
+    ep: Endpoint,
+    credits: Credits,
+    free_slots: Vec<u32>,
+    posted_sends: u32,
+    /// Highest DATA sequence number posted on this QP.
+    posted_upto: u64,
+    /// Sequence numbers up to this were sent on an earlier QP (replays).
+    replay_upto: u64,
+    last_ack_sent: u64,
+    pause: Option<Pause>,
+    /// When the peer's PAUSE arrived.
+    peer_paused: Option<Instant>,
+    owe_pause_ack: bool,
+    pause_ack_sent: bool,
+    close_sent: bool,
+    disconnecting: Option<Instant>,
+    slot: usize,
+}
+
+impl Link {
+    fn can_post_control(&self) -> bool {
+        !self.free_slots.is_empty()
+            && self.credits.can_send_control()
+            && self.disconnecting.is_none()
+    }
+
+    fn can_post_data(&self) -> bool {
+        !self.free_slots.is_empty()
+            && self.credits.can_send_data()
+            && self.pause.is_none()
+            && self.peer_paused.is_none()
+            && !self.close_sent
+            && self.disconnecting.is_none()
+    }
+
+    fn post(
+        &mut self,
+        kind: Kind,
+        flags: u8,
+        seq: u64,
+        payload: &[u8],
+        last_received: u64,
+    ) -> Result<(), String> {
+        let slot = self.free_slots.pop().ok_or("no free send slot")?;
+        let off = slot as usize * self.slot;
+        let len = HEADER_LEN + payload.len();
+        let header = Header {
+            kind,
+            flags,
+            len: payload.len() as u32,
+            seq,
+            ack: last_received,
+            credits: self.credits.on_sent(),
+        };
+        let buf = self
+            .ep
+            .send_mr
+            .write(off, len)
+            .ok_or("message larger than a send slot")?;
+        header.encode(buf);
+        buf[HEADER_LEN..].copy_from_slice(payload);
+        if let Err(e) = self
+            .ep
+            .id
+            .post_send(&self.ep.send_mr, off, len, slot as u64)
+        {
+            self.free_slots.push(slot);
+            return Err(format!("posting a {kind:?} send: {e}"));
+        }
+        self.posted_sends += 1;
+        self.last_ack_sent = last_received;
+        Ok(())
+    }
+}
+
+enum Down {
+    /// Link up.
+    None,
+    /// Quiesced by the agent: holds no device; does not reconnect before a resume (or
+    /// until `hold_until`, the forced path).
+    Quiesced { hold_until: Instant },
+    /// Waiting for the peer (active: reconnecting) until `until`.
+    Awaiting { until: Instant },
+}
+
+struct Worker {
+    sh: Arc<ConnShared>,
+    rx: mpsc::Receiver<Command>,
+    // Field order matters for Drop: the link (QP, CQ, MRs, PD, id) before the channel.
+    link: Option<Link>,
+    chan: EventChannel,
+    down: Down,
+    peer: Option<SocketAddr>,
+    quiesce_op: Option<(Instant, Reply)>,
+    resume_op: Option<(Instant, Reply)>,
+    close_op: Option<(Instant, Reply)>,
+    next_attempt: Instant,
+    last_refresh: Instant,
+    last_error: String,
+    slot: usize,
+    wcs: Vec<WorkCompletion>,
+    done: bool,
+}
+
+/// Why a connect attempt failed.
+struct AttemptError {
+    permanent: bool,
+    msg: String,
+}
+
+fn transient(msg: impl Into<String>) -> AttemptError {
+    AttemptError {
+        permanent: false,
+        msg: msg.into(),
+    }
+}
+
+impl From<VerbsError> for AttemptError {
+    fn from(e: VerbsError) -> Self {
+        transient(error_chain(&e))
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+impl Worker {
+    fn depth(&self) -> u32 {
+        self.sh.opts.recv_depth.max(2 * RESERVE as u32)
+    }
+
+    fn set_state(&self, s: ConnectionState) {
+        let mut st = self.sh.lock();
+        if st.conn_state != ConnectionState::Failed && st.conn_state != ConnectionState::Closed {
+            st.conn_state = s;
+        }
+        drop(st);
+        self.sh.cond.notify_all();
+    }
+
+    fn start(&mut self, start: Start) {
+        match start {
+            Start::Active { peer, ready } => {
+                self.peer = Some(peer);
+                let deadline = Instant::now() + self.sh.opts.connect_timeout;
+                loop {
+                    match self.attempt(false) {
+                        Ok(()) => {
+                            let _ = ready.send(Ok(()));
+                            return;
+                        }
+                        Err(e) if e.permanent || Instant::now() >= deadline => {
+                            let err = if e.permanent {
+                                ConnError::Rejected {
+                                    peer,
+                                    reason: e.msg.clone(),
+                                }
+                            } else {
+                                ConnError::ConnectTimedOut {
+                                    peer,
+                                    after: self.sh.opts.connect_timeout,
+                                    last: e.msg.clone(),
+                                }
+                            };
+                            let _ = ready.send(Err(err));
+                            self.fail(format!("connect failed: {}", e.msg));
+                            return;
+                        }
+                        Err(e) => {
+                            self.last_error = e.msg;
+                            std::thread::sleep(self.sh.opts.reconnect_interval);
+                        }
+                    }
+                }
+            }
+            Start::Passive {
+                id,
+                hello,
+                on_ready,
+            } => match self.accept_on(id, &hello) {
+                Ok(()) => on_ready(self.sh.clone()),
+                Err(e) => self.fail(format!("accept failed: {}", e.msg)),
+            },
+        }
+    }
+
+    fn run(&mut self) {
+        while !self.done {
+            let timeout = if self.link.is_some() { 20 } else { 100 };
+            self.wait(timeout);
+            let _ = self.sh.wake.read();
+            self.handle_commands();
+            if self.done {
+                break;
+            }
+            self.handle_cm_events();
+            if self.link.is_some() {
+                self.handle_completions();
+                self.progress();
+                if self.link.is_some() {
+                    self.pump();
+                }
+            } else {
+                self.down_tick();
+            }
+            self.check_deadlines();
+        }
+        // Whatever remains is released here: link first, then the channel (field order).
+        self.link = None;
+    }
+
+    fn wait(&self, timeout_ms: u16) {
+        let wake = self.sh.wake.as_fd();
+        let chan = self.chan.fd();
+        let mut fds = vec![
+            PollFd::new(wake, PollFlags::POLLIN),
+            PollFd::new(chan, PollFlags::POLLIN),
+        ];
+        if let Some(link) = &self.link {
+            fds.push(PollFd::new(link.ep.comp.fd(), PollFlags::POLLIN));
+        }
+        let _ = poll(&mut fds, PollTimeout::from(timeout_ms));
+    }
+
+    // ---- commands ----
+
+    fn handle_commands(&mut self) {
+        while let Ok(cmd) = self.rx.try_recv() {
+            match cmd {
+                Command::Quiesce { deadline, reply } => self.on_quiesce(deadline, reply),
+                Command::Resume { deadline, reply } => self.on_resume(deadline, reply),
+                Command::Incoming { id, hello } => self.on_incoming(id, hello),
+                Command::Close { deadline, reply } => {
+                    if self.link.is_none() {
+                        let _ = reply.send(Ok(()));
+                        self.finish_closed();
+                        return;
+                    }
+                    self.close_op = Some((deadline, reply));
+                }
+            }
+        }
+    }
+
+    fn on_quiesce(&mut self, deadline: Instant, reply: Reply) {
+        if let Some((_, r)) = self.resume_op.take() {
+            let _ = r.send(Err("a quiesce arrived before the resume completed".into()));
+        }
+        match &mut self.link {
+            Some(link) => {
+                if link.pause.is_none() {
+                    link.pause = Some(Pause::default());
+                }
+                self.quiesce_op = Some((deadline, reply));
+                self.set_state(ConnectionState::Pausing);
+            }
+            None => {
+                self.down = Down::Quiesced {
+                    hold_until: Instant::now() + self.sh.opts.peer_wait,
+                };
+                self.set_state(ConnectionState::Quiesced);
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    fn on_resume(&mut self, deadline: Instant, reply: Reply) {
+        if let Some(link) = &self.link {
+            if link.pause.is_some() {
+                let _ = reply.send(Err("cannot resume while a quiesce is in progress".into()));
+            } else {
+                let _ = reply.send(Ok(()));
+            }
+            return;
+        }
+        let now = Instant::now();
+        self.down = Down::Awaiting {
+            until: now + self.sh.opts.peer_wait,
+        };
+        self.next_attempt = now;
+        self.set_state(ConnectionState::Resuming);
+        if let Some((_, r)) = self.resume_op.replace((deadline, reply)) {
+            let _ = r.send(Err("superseded by a newer resume".into()));
+        }
+    }
+
+    fn on_incoming(&mut self, id: CmId, hello: Hello) {
+        let reject = |id: &CmId, reason| {
+            let pd = PrivateData::Reject(Reject {
+                conn_id: hello.conn_id,
+                reason,
+            });
+            let _ = id.reject(&pd.encode());
+        };
+        if matches!(self.down, Down::Quiesced { .. }) {
+            // Quiesced here: reconnecting now would reopen the device that is going away.
+            reject(&id, RejectReason::Busy);
+            return;
+        }
+        if self.link.is_some() {
+            self.link_lost(
+                "the peer reconnected while the link looked up".into(),
+                false,
+            );
+        }
+        match self.accept_on(id, &hello) {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e.msg, "resume accept failed");
+                self.last_error = e.msg;
+            }
+        }
+    }
+
+    // ---- connect / accept ----
+
+    fn wait_for(&mut self, id: &CmId, timeout: Duration) -> Result<CmEvent, AttemptError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(transient(format!("no CM event within {timeout:?}")));
+            }
+            if let Some(ev) = self.chan.get_event(deadline - now)? {
+                if ev.id == id.key() {
+                    return Ok(ev);
+                }
+                // Events of ids already released, or stray requests: nothing to do.
+            }
+        }
+    }
+
+    fn attempt(&mut self, resume: bool) -> Result<(), AttemptError> {
+        let peer = self.peer.ok_or_else(|| transient("no peer address"))?;
+        let id = CmId::create(&self.chan)?;
+        id.set_ack_timeout(self.sh.opts.ack_timeout)?;
+        id.resolve_addr(peer, RESOLVE_TIMEOUT)?;
+        let ev = self.wait_for(&id, RESOLVE_TIMEOUT + Duration::from_millis(500))?;
+        if ev.kind != CmEventKind::AddrResolved {
+            return Err(transient(format!(
+                "address resolution: {:?} ({})",
+                ev.kind, ev.status
+            )));
+        }
+        id.resolve_route(RESOLVE_TIMEOUT)?;
+        let ev = self.wait_for(&id, RESOLVE_TIMEOUT + Duration::from_millis(500))?;
+        if ev.kind != CmEventKind::RouteResolved {
+            return Err(transient(format!(
+                "route resolution: {:?} ({})",
+                ev.kind, ev.status
+            )));
+        }
+        let ep = build_endpoint(id, self.depth(), self.slot)?;
+        let last_received = self.sh.lock().last_received;
+        let hello = Hello {
+            conn_id: self.sh.id,
+            token: self.sh.token,
+            last_received,
+            credits: self.depth() as u16,
+        };
+        let pd = if resume {
+            PrivateData::Resume(hello)
+        } else {
+            PrivateData::Hello(hello)
+        };
+        ep.id.connect(
+            &pd.encode(),
+            self.sh.opts.retry_count,
+            self.sh.opts.rnr_retry,
+        )?;
+        let ev = self.wait_for(&ep.id, ESTABLISH_TIMEOUT)?;
+        match ev.kind {
+            CmEventKind::Established => match PrivateData::decode(&ev.private_data) {
+                Ok(PrivateData::Accept(a)) if a.conn_id == self.sh.id => {
+                    self.install(ep, a.credits as u64, a.last_received);
+                    Ok(())
+                }
+                other => Err(AttemptError {
+                    permanent: true,
+                    msg: format!("the peer accepted with an unexpected reply: {other:?}"),
+                }),
+            },
+            CmEventKind::Rejected => match PrivateData::decode(&ev.private_data) {
+                Ok(PrivateData::Reject(r)) => Err(AttemptError {
+                    permanent: matches!(
+                        r.reason,
+                        RejectReason::UnknownConnection
+                            | RejectReason::BadToken
+                            | RejectReason::Gone
+                    ),
+                    msg: format!("rejected by the peer: {:?}", r.reason),
+                }),
+                _ => Err(transient(format!(
+                    "rejected (no listener at {peer}?), status {}",
+                    ev.status
+                ))),
+            },
+            other => Err(transient(format!("connect: {other:?} ({})", ev.status))),
+        }
+    }
+
+    fn accept_on(&mut self, mut id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+        id.migrate(&self.chan)?;
+        id.set_ack_timeout(self.sh.opts.ack_timeout)?;
+        let ep = build_endpoint(id, self.depth(), self.slot)?;
+        let last_received = self.sh.lock().last_received;
+        let reply = PrivateData::Accept(Accept {
+            conn_id: self.sh.id,
+            last_received,
+            credits: self.depth() as u16,
+        });
+        ep.id.accept(
+            &reply.encode(),
+            self.sh.opts.retry_count,
+            self.sh.opts.rnr_retry,
+        )?;
+        let ev = self.wait_for(&ep.id, ESTABLISH_TIMEOUT)?;
+        if ev.kind != CmEventKind::Established {
+            return Err(transient(format!("accept: {:?} ({})", ev.kind, ev.status)));
+        }
+        self.install(ep, hello.credits as u64, hello.last_received);
+        Ok(())
+    }
+
+    fn install(&mut self, ep: Endpoint, peer_credits: u64, peer_last: u64) {
+        let local = ep
+            .id
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let peer = ep.id.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let send_slots = self.depth() + EXTRA_SEND_SLOTS;
+        let mut st = self.sh.lock();
+        while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
+            st.outbox.pop_front();
+        }
+        let replay_upto = st.next_seq - 1;
+        self.link = Some(Link {
+            ep,
+            credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
+            free_slots: (0..send_slots).rev().collect(),
+            posted_sends: 0,
+            posted_upto: peer_last,
+            replay_upto,
+            last_ack_sent: st.last_received,
+            pause: None,
+            peer_paused: None,
+            owe_pause_ack: false,
+            pause_ack_sent: false,
+            close_sent: false,
+            disconnecting: None,
+            slot: self.slot,
+        });
+        st.conn_state = ConnectionState::Established;
+        st.stats.established += 1;
+        st.local = local;
+        st.peer = peer;
+        drop(st);
+        self.sh.cond.notify_all();
+        self.down = Down::None;
+        self.last_error.clear();
+        if let Some((_, r)) = self.resume_op.take() {
+            let _ = r.send(Ok(()));
+        }
+        tracing::debug!(
+            conn = format_args!("{:016x}", self.sh.id),
+            peer_last,
+            "link established"
+        );
+    }
+
+    // ---- link up ----
+
+    fn handle_cm_events(&mut self) {
+        loop {
+            let ev = match self.chan.get_event(Duration::ZERO) {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading CM events failed");
+                    return;
+                }
+            };
+            let Some(link) = &self.link else { continue };
+            if ev.id != link.ep.id.key() {
+                continue;
+            }
+            match ev.kind {
+                CmEventKind::Disconnected => {
+                    let expected = link.pause.is_some()
+                        || link.peer_paused.is_some()
+                        || link.close_sent
+                        || link.disconnecting.is_some()
+                        || self.sh.lock().peer_closed;
+                    self.link_lost("the peer disconnected".into(), expected);
+                }
+                CmEventKind::DeviceRemoval => {
+                    self.link_lost("the RDMA device was removed".into(), false);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn handle_completions(&mut self) {
+        let Some(link) = &mut self.link else { return };
+        if let Err(e) = link.ep.cq.ack_events() {
+            tracing::warn!(error = %e, "reading CQ events failed");
+        }
+        let mut failure: Option<String> = None;
+        let mut armed = false;
+        loop {
+            self.wcs.clear();
+            let Some(link) = &mut self.link else { return };
+            match link.ep.cq.poll(&mut self.wcs, 64) {
+                Ok(0) if armed => break,
+                Ok(0) => {
+                    if let Err(e) = link.ep.cq.req_notify() {
+                        failure = Some(error_chain(&e));
+                        break;
+                    }
+                    armed = true;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    failure = Some(error_chain(&e));
+                    break;
+                }
+            }
+            let wcs = std::mem::take(&mut self.wcs);
+            let mut st = self.sh.lock();
+            let mut delivered = false;
+            for wc in &wcs {
+                if let Err(e) = process(link, &mut st, wc, &mut delivered) {
+                    failure.get_or_insert(e);
+                }
+            }
+            drop(st);
+            if delivered {
+                self.sh.cond.notify_all();
+            }
+            self.wcs = wcs;
+            if failure.is_some() {
+                break;
+            }
+        }
+        if let Some(f) = failure {
+            let expected = self
+                .link
+                .as_ref()
+                .is_some_and(|l| l.disconnecting.is_some() || l.peer_paused.is_some());
+            self.link_lost(f, expected);
+        }
+    }
+
+    /// Pause, PAUSE_ACK, close and disconnect progress.
+    fn progress(&mut self) {
+        let now = Instant::now();
+        let Some(link) = &mut self.link else { return };
+        let last_received = self.sh.lock().last_received;
+        let mut failure = None;
+        if link.owe_pause_ack && link.can_post_control() {
+            match link.post(Kind::PauseAck, 0, 0, &[], last_received) {
+                Ok(()) => {
+                    link.owe_pause_ack = false;
+                    link.pause_ack_sent = true;
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+        if let Some(p) = &mut link.pause {
+            if !p.sent
+                && link.posted_sends == 0
+                && link.credits.can_send_control()
+                && !link.free_slots.is_empty()
+            {
+                p.sent = true;
+                if let Err(e) = link.post(Kind::Pause, FLAG_MOVING, 0, &[], last_received) {
+                    failure = Some(e);
+                }
+            }
+        }
+        if let Some((deadline, _)) = &self.close_op {
+            let drained = self.sh.lock().outbox.is_empty();
+            let late = now + Duration::from_millis(500) >= *deadline;
+            if !link.close_sent && (drained || late) && link.can_post_control() {
+                link.close_sent = true;
+                if let Err(e) = link.post(Kind::Close, 0, 0, &[], last_received) {
+                    failure = Some(e);
+                }
+            }
+        }
+        let want_disconnect = link.pause.as_ref().is_some_and(|p| p.got_ack)
+            || (link.close_sent && link.posted_sends == 0);
+        if want_disconnect && link.disconnecting.is_none() {
+            link.disconnecting = Some(now);
+            if let Err(e) = link.ep.id.disconnect() {
+                failure = Some(error_chain(&e));
+            }
+        }
+        if link
+            .disconnecting
+            .is_some_and(|t| now.duration_since(t) > DISCONNECT_WAIT)
+        {
+            failure = Some("no DISCONNECTED event within 1 s of rdma_disconnect".into());
+        }
+        if link
+            .peer_paused
+            .is_some_and(|t| now.duration_since(t) > self.sh.opts.peer_wait)
+        {
+            failure = Some("the peer paused and never disconnected".into());
+        }
+        if let Some(f) = failure {
+            let expected = link.disconnecting.is_some();
+            self.link_lost(f, expected);
+        }
+    }
+
+    /// Posts DATA while credits allow, then a standalone ACK if one is owed.
+    fn pump(&mut self) {
+        let Some(link) = &mut self.link else { return };
+        let mut failure = None;
+        let mut st = self.sh.lock();
+        while link.can_post_data() {
+            let next = link.posted_upto + 1;
+            let Some(front) = st.outbox.front().map(|(s, _)| *s) else {
+                break;
+            };
+            if next < front {
+                link.posted_upto = front - 1;
+                continue;
+            }
+            let Some((seq, data)) = st.outbox.get((next - front) as usize) else {
+                break;
+            };
+            let (seq, last_received) = (*seq, st.last_received);
+            if let Err(e) = link.post(Kind::Data, 0, seq, data, last_received) {
+                failure = Some(e);
+                break;
+            }
+            link.posted_upto = seq;
+            if seq <= link.replay_upto {
+                st.stats.replayed += 1;
+            }
+        }
+        let last_received = st.last_received;
+        drop(st);
+        let quiet =
+            link.pause.as_ref().is_some_and(|p| p.sent) || link.pause_ack_sent || link.close_sent;
+        let owed = last_received > link.last_ack_sent
+            || link.credits.lag() >= (self.sh.opts.recv_depth as u64 / 4).max(1);
+        if failure.is_none() && owed && !quiet && link.can_post_control() {
+            if let Err(e) = link.post(Kind::Ack, 0, 0, &[], last_received) {
+                failure = Some(e);
+            }
+        }
+        if let Some(f) = failure {
+            self.link_lost(f, false);
+        }
+    }
+
+    /// The link is gone (or being given up): release every verbs object at once, then decide
+    /// what the connection does next.
+    fn link_lost(&mut self, why: String, expected: bool) {
+        let Some(link) = self.link.take() else { return };
+        let peer_paused = link.peer_paused.is_some();
+        drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
+        let _ = refresh_device_list();
+        self.last_refresh = Instant::now();
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, expected, "link released");
+        if !expected {
+            self.sh.lock().stats.link_events.push(why.clone());
+        }
+        let now = Instant::now();
+        if let Some((_, reply)) = self.close_op.take() {
+            let _ = reply.send(Ok(()));
+            self.finish_closed();
+            return;
+        }
+        if self.sh.lock().peer_closed {
+            self.finish_closed();
+            return;
+        }
+        if let Some((_, reply)) = self.quiesce_op.take() {
+            let _ = reply.send(if expected {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the link broke during the quiesce ({why}); resources released"
+                ))
+            });
+            self.down = Down::Quiesced {
+                hold_until: now + self.sh.opts.peer_wait,
+            };
+            self.set_state(ConnectionState::Quiesced);
+            return;
+        }
+        self.down = Down::Awaiting {
+            until: now + self.sh.opts.peer_wait,
+        };
+        // Give a moving peer a moment before the first reconnect attempt.
+        self.next_attempt = if peer_paused {
+            now + self.sh.opts.reconnect_interval
+        } else {
+            now
+        };
+        self.last_error = why;
+        self.set_state(ConnectionState::AwaitingPeer);
+    }
+
+    // ---- link down ----
+
+    fn down_tick(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_refresh) >= REFRESH_INTERVAL {
+            let _ = refresh_device_list();
+            self.last_refresh = now;
+        }
+        match self.down {
+            Down::None => {}
+            Down::Quiesced { hold_until } => {
+                if now >= hold_until {
+                    // No resume came: try on our own (the forced path).
+                    self.down = Down::Awaiting {
+                        until: now + self.sh.opts.peer_wait,
+                    };
+                    self.next_attempt = now;
+                    self.set_state(ConnectionState::AwaitingPeer);
+                }
+            }
+            Down::Awaiting { until } => {
+                if now >= until {
+                    let reason = format!(
+                        "the peer did not come back within {:?} (last error: {})",
+                        self.sh.opts.peer_wait, self.last_error
+                    );
+                    self.fail(reason);
+                    return;
+                }
+                if self.peer.is_some() && now >= self.next_attempt {
+                    match self.attempt(true) {
+                        Ok(()) => {}
+                        Err(e) if e.permanent => self.fail(format!("resume refused: {}", e.msg)),
+                        Err(e) => {
+                            self.last_error = e.msg;
+                            self.next_attempt = Instant::now() + self.sh.opts.reconnect_interval;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        if self.quiesce_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let what = match &self.link {
+                Some(l) if l.disconnecting.is_some() => "the DISCONNECTED event",
+                Some(l) if l.pause.as_ref().is_some_and(|p| p.sent) => "the peer's PAUSE_ACK",
+                Some(_) => "posted sends to complete",
+                None => "the link",
+            };
+            let (_, reply) = self.quiesce_op.take().expect("checked");
+            let _ = reply.send(Err(format!(
+                "quiesce timed out waiting for {what}; resources released anyway"
+            )));
+            self.link_lost(format!("quiesce deadline passed waiting for {what}"), true);
+            self.down = Down::Quiesced {
+                hold_until: now + self.sh.opts.peer_wait,
+            };
+            self.set_state(ConnectionState::Quiesced);
+        }
+        if self.resume_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let (_, reply) = self.resume_op.take().expect("checked");
+            let _ = reply.send(Err(format!(
+                "resume timed out (last error: {})",
+                if self.last_error.is_empty() {
+                    "none; the peer did not reconnect"
+                } else {
+                    &self.last_error
+                }
+            )));
+        }
+        if self.close_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let (_, reply) = self.close_op.take().expect("checked");
+            self.link = None;
+            let _ = refresh_device_list();
+            let _ = reply.send(Err("close timed out; resources released".into()));
+            self.finish_closed();
+        }
+    }
+
+    fn finish_closed(&mut self) {
+        self.link = None;
+        let mut st = self.sh.lock();
+        st.conn_state = ConnectionState::Closed;
+        drop(st);
+        self.sh.cond.notify_all();
+        self.done = true;
+    }
+
+    fn fail(&mut self, reason: String) {
+        self.link = None;
+        let _ = refresh_device_list();
+        tracing::warn!(conn = format_args!("{:016x}", self.sh.id), %reason, "connection failed");
+        let mut st = self.sh.lock();
+        st.conn_state = ConnectionState::Failed;
+        st.failure = Some(reason.clone());
+        drop(st);
+        self.sh.cond.notify_all();
+        for op in [
+            self.quiesce_op.take(),
+            self.resume_op.take(),
+            self.close_op.take(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let _ = op.1.send(Err(reason.clone()));
+        }
+        self.done = true;
+    }
+}
+
+/// Handles one work completion on a live link.
+fn process(
+    link: &mut Link,
+    st: &mut super::State,
+    wc: &WorkCompletion,
+    delivered: &mut bool,
+) -> Result<(), String> {
+    if wc.wr_id < RECV_BASE {
+        link.free_slots.push(wc.wr_id as u32);
+        link.posted_sends = link.posted_sends.saturating_sub(1);
+        if !wc.ok() {
+            return Err(format!("send completion error: {}", wc.status_str()));
+        }
+        return Ok(());
+    }
+    if !wc.ok() {
+        return Err(format!("receive completion error: {}", wc.status_str()));
+    }
+    let slot = (wc.wr_id - RECV_BASE) as usize;
+    let off = slot * link.slot;
+    let bytes = link
+        .ep
+        .recv_mr
+        .read(off, wc.byte_len as usize)
+        .ok_or("receive completion longer than its slot")?;
+    let (h, payload) =
+        Header::decode(bytes).map_err(|e| format!("protocol error from the peer: {e}"))?;
+    link.credits.on_peer_credits(h.credits);
+    while st.outbox.front().is_some_and(|(seq, _)| *seq <= h.ack) {
+        st.outbox.pop_front();
+        *delivered = true; // wakes senders waiting for room, and flush()
+    }
+    match h.kind {
+        Kind::Data => match classify(st.last_received, h.seq) {
+            Arrival::Deliver => {
+                st.inbox.push_back(payload.to_vec());
+                st.last_received = h.seq;
+                *delivered = true;
+            }
+            Arrival::Duplicate => st.stats.duplicates_dropped += 1,
+            Arrival::Gap { expected } => {
+                return Err(format!(
+                    "protocol error: received sequence {} while expecting {expected}",
+                    h.seq
+                ))
+            }
+        },
+        Kind::Ack => {}
+        Kind::Pause => {
+            link.peer_paused = Some(Instant::now());
+            link.owe_pause_ack = true;
+        }
+        Kind::PauseAck => {
+            if let Some(p) = &mut link.pause {
+                p.got_ack = true;
+            }
+        }
+        Kind::Close => {
+            st.peer_closed = true;
+            *delivered = true;
+        }
+    }
+    link.ep
+        .id
+        .post_recv(&link.ep.recv_mr, off, link.slot, wc.wr_id)
+        .map_err(|e| format!("re-posting a receive: {}", error_chain(&e)))?;
+    link.credits.on_reposted();
+    Ok(())
+}
