@@ -1,1 +1,496 @@
-//! placeholder
+//! The traffic tool's logic: numbered, timestamped messages both ways at a fixed rate, and
+//! the receiving side's accounting: loss (gaps in the peer's numbering), duplicates,
+//! reordering, and the largest gap between consecutive deliveries (the blackout).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::conn::{ConnError, ConnectOptions, Connection, Listener};
+use crate::plain::{PlainEndpoint, PlainError};
+
+/// First bytes of every traffic message.
+pub const MAGIC: [u8; 4] = *b"RMTF";
+/// Smallest message: magic, counter, timestamp.
+pub const MIN_SIZE: usize = 20;
+
+/// Which connection kind to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// rdmamig's migratable connection (quiesce, resume, replay).
+    Migratable,
+    /// A plain rdma_cm connection that reconnects on its own and loses what was in flight.
+    Plain,
+}
+
+/// Which side this process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Listen on the address.
+    Serve(SocketAddr),
+    /// Connect to the address.
+    Connect(SocketAddr),
+}
+
+/// Settings of one traffic run.
+#[derive(Debug, Clone)]
+pub struct TrafficConfig {
+    /// Serve or connect.
+    pub side: Side,
+    /// Connection kind.
+    pub mode: Mode,
+    /// Messages per second sent.
+    pub rate: u32,
+    /// Bytes per message (at least [`MIN_SIZE`]).
+    pub size: usize,
+    /// Stop after this long (else at the stop flag).
+    pub duration: Option<Duration>,
+    /// Receive for this long after sending stopped (and, migratable, after the flush).
+    pub linger: Duration,
+    /// Written once connected.
+    pub ready_file: Option<PathBuf>,
+    /// Options of migratable connections.
+    pub conn: ConnectOptions,
+}
+
+/// Errors that end a traffic run before it starts.
+#[derive(Debug, Error)]
+pub enum TrafficError {
+    /// Setting up the migratable connection failed.
+    #[error("setting up the migratable connection failed")]
+    Connect(#[source] ConnError),
+    /// Setting up the plain endpoint failed.
+    #[error("setting up the plain connection failed")]
+    Plain(#[source] PlainError),
+    /// Stopped before any connection came.
+    #[error("stopped before a connection was established")]
+    NeverConnected,
+    /// Writing the ready file failed.
+    #[error("writing the ready file {path}")]
+    ReadyFile {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Encodes message `counter`, sent at `sent_us` (UNIX microseconds), padded to `size` bytes.
+pub fn encode_message(counter: u64, sent_us: u64, size: usize) -> Vec<u8> {
+    let mut m = vec![0u8; size.max(MIN_SIZE)];
+    m[..4].copy_from_slice(&MAGIC);
+    m[4..12].copy_from_slice(&counter.to_be_bytes());
+    m[12..20].copy_from_slice(&sent_us.to_be_bytes());
+    m
+}
+
+/// Decodes a message into (counter, sent_us); None if it is not a traffic message.
+pub fn decode_message(m: &[u8]) -> Option<(u64, u64)> {
+    if m.len() < MIN_SIZE || m[..4] != MAGIC {
+        return None;
+    }
+    let counter = u64::from_be_bytes(m[4..12].try_into().ok()?);
+    let sent = u64::from_be_bytes(m[12..20].try_into().ok()?);
+    Some((counter, sent))
+}
+
+/// Milliseconds since the UNIX epoch.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// UTC time of day, `HH:MM:SS.mmm`, of a UNIX-ms timestamp.
+pub fn time_of_day(ms: u64) -> String {
+    let day_ms = ms % 86_400_000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        day_ms / 3_600_000,
+        day_ms / 60_000 % 60,
+        day_ms / 1000 % 60,
+        day_ms % 1000
+    )
+}
+
+/// Receive-side accounting of the peer's numbered messages (counters start at 0).
+#[derive(Debug, Default)]
+pub struct Tracker {
+    next: u64,
+    holes: BTreeSet<u64>,
+    received: u64,
+    duplicated: u64,
+    reordered: u64,
+    last: Option<(Instant, u64)>,
+    max_gap: Option<(Duration, u64, u64)>,
+    first_ms: Option<u64>,
+}
+
+impl Tracker {
+    /// Records the delivery of message `counter` at `now` (`now_ms`: UNIX ms).
+    pub fn on_message(&mut self, counter: u64, now: Instant, now_ms: u64) {
+        self.received += 1;
+        self.first_ms.get_or_insert(now_ms);
+        if let Some((at, at_ms)) = self.last {
+            let gap = now.duration_since(at);
+            if self.max_gap.is_none_or(|(g, _, _)| gap > g) {
+                self.max_gap = Some((gap, at_ms, now_ms));
+            }
+        }
+        self.last = Some((now, now_ms));
+        if counter == self.next {
+            self.next += 1;
+        } else if counter > self.next {
+            // Everything skipped is missing (for now); cap the set so a wild counter cannot
+            // exhaust memory.
+            if counter - self.next <= 10_000_000 {
+                self.holes.extend(self.next..counter);
+            }
+            self.next = counter + 1;
+        } else if self.holes.remove(&counter) {
+            self.reordered += 1;
+        } else {
+            self.duplicated += 1;
+        }
+    }
+
+    /// Messages missing from the peer's numbering (up to the highest received).
+    pub fn lost(&self) -> u64 {
+        self.holes.len() as u64
+    }
+}
+
+/// The JSON report of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// "serve" or "connect".
+    pub role: String,
+    /// Connection kind.
+    pub mode: Mode,
+    /// The address served or connected to.
+    pub address: String,
+    /// Messages per second.
+    pub rate: u32,
+    /// Message size.
+    pub size: usize,
+    /// Messages this side sent (counter values used; includes sends that failed).
+    pub sent: u64,
+    /// Sends that returned an error.
+    pub send_failures: u64,
+    /// Messages received from the peer.
+    pub received: u64,
+    /// Gaps in the peer's numbering.
+    pub lost: u64,
+    /// Messages received more than once.
+    pub duplicated: u64,
+    /// Messages that arrived after a later one.
+    pub reordered: u64,
+    /// Highest peer counter received, plus one (= the peer's messages accounted for).
+    pub next_expected: u64,
+    /// Largest gap between consecutive deliveries, ms.
+    pub max_gap_ms: f64,
+    /// When that gap began (UNIX ms) and its time of day (UTC).
+    pub max_gap_start_unix_ms: u64,
+    /// When that gap ended (UNIX ms).
+    pub max_gap_end_unix_ms: u64,
+    /// `HH:MM:SS.mmm` UTC of the gap's end.
+    pub max_gap_end_time: String,
+    /// Errors the application saw (deduplicated, with counts).
+    pub errors: Vec<String>,
+    /// Link events the migratable connection recovered from by itself.
+    pub link_events: Vec<String>,
+    /// Connections (re)established.
+    pub connections_established: u64,
+    /// Messages re-sent after a reconnect (migratable).
+    pub replayed: u64,
+    /// Start and end of the run (UNIX ms).
+    pub started_unix_ms: u64,
+    /// End of the run (UNIX ms).
+    pub ended_unix_ms: u64,
+}
+
+enum Endpoint {
+    /// The connection, and the listener it came from (kept alive to route RESUMEs).
+    Migratable(Connection, #[allow(dead_code)] Option<Listener>),
+    Plain(PlainEndpoint),
+}
+
+impl Endpoint {
+    fn send(&self, m: &[u8]) -> Result<(), String> {
+        match self {
+            Endpoint::Migratable(c, _) => c.send(m).map_err(|e| e.to_string()),
+            Endpoint::Plain(p) => p.send(m).map_err(|e| e.to_string()),
+        }
+    }
+
+    fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
+        match self {
+            Endpoint::Migratable(c, _) => c.recv(timeout).map_err(|e| e.to_string()),
+            Endpoint::Plain(p) => Ok(p.recv(timeout)),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Errors(Mutex<BTreeMap<String, u64>>);
+
+impl Errors {
+    fn add(&self, e: String) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(e)
+            .or_default() += 1;
+    }
+
+    fn list(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(e, n)| {
+                if *n > 1 {
+                    format!("{e} (x{n})")
+                } else {
+                    e.clone()
+                }
+            })
+            .collect()
+    }
+}
+
+fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Endpoint, TrafficError> {
+    match (cfg.mode, cfg.side) {
+        (Mode::Migratable, Side::Connect(peer)) => Connection::connect(peer, &cfg.conn)
+            .map(|c| Endpoint::Migratable(c, None))
+            .map_err(TrafficError::Connect),
+        (Mode::Migratable, Side::Serve(addr)) => {
+            let l = Listener::bind(addr, &cfg.conn).map_err(TrafficError::Connect)?;
+            loop {
+                match l.accept(Duration::from_millis(200)) {
+                    Ok(c) => return Ok(Endpoint::Migratable(c, Some(l))),
+                    Err(ConnError::AcceptTimedOut { .. }) if !stop.load(Ordering::Relaxed) => {}
+                    Err(ConnError::AcceptTimedOut { .. }) => {
+                        return Err(TrafficError::NeverConnected)
+                    }
+                    Err(e) => return Err(TrafficError::Connect(e)),
+                }
+            }
+        }
+        (Mode::Plain, side) => {
+            let p = match side {
+                Side::Connect(peer) => PlainEndpoint::connect(peer, cfg.size.max(MIN_SIZE)),
+                Side::Serve(addr) => PlainEndpoint::serve(addr, cfg.size.max(MIN_SIZE)),
+            }
+            .map_err(TrafficError::Plain)?;
+            while !p.is_connected() {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(TrafficError::NeverConnected);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(Endpoint::Plain(p))
+        }
+    }
+}
+
+/// Runs traffic until `stop` is set (or the configured duration passes); returns the report.
+pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficError> {
+    let started_unix_ms = unix_ms();
+    let ep = Arc::new(establish(cfg, stop)?);
+    if let Some(path) = &cfg.ready_file {
+        std::fs::write(path, format!("{}\n", unix_ms())).map_err(|source| {
+            TrafficError::ReadyFile {
+                path: path.clone(),
+                source,
+            }
+        })?;
+    }
+    let errors = Arc::new(Errors::default());
+    let stop_send = Arc::new(AtomicBool::new(false));
+    let stop_recv = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let send_failures = Arc::new(AtomicU64::new(0));
+    let tracker = Arc::new(Mutex::new(Tracker::default()));
+
+    let sender = {
+        let (ep, errors, stop_send, sent, fails) = (
+            ep.clone(),
+            errors.clone(),
+            stop_send.clone(),
+            sent.clone(),
+            send_failures.clone(),
+        );
+        let interval = Duration::from_secs_f64(1.0 / cfg.rate.max(1) as f64);
+        let size = cfg.size;
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut n: u64 = 0;
+            while !stop_send.load(Ordering::Relaxed) {
+                let due = start + interval.mul_f64(n as f64);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep((due - now).min(Duration::from_millis(50)));
+                    continue;
+                }
+                let m = encode_message(n, unix_us(), size);
+                n += 1;
+                sent.store(n, Ordering::Relaxed);
+                if let Err(e) = ep.send(&m) {
+                    fails.fetch_add(1, Ordering::Relaxed);
+                    errors.add(format!("send: {e}"));
+                    if matches!(&*ep, Endpoint::Migratable(..))
+                        && (e.contains("failed") || e.contains("closed"))
+                    {
+                        break;
+                    }
+                }
+            }
+        })
+    };
+    let receiver = {
+        let (ep, errors, stop_recv, tracker) = (
+            ep.clone(),
+            errors.clone(),
+            stop_recv.clone(),
+            tracker.clone(),
+        );
+        std::thread::spawn(move || {
+            while !stop_recv.load(Ordering::Relaxed) {
+                match ep.recv(Duration::from_millis(100)) {
+                    Ok(Some(m)) => match decode_message(&m) {
+                        Some((counter, _)) => tracker
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .on_message(counter, Instant::now(), unix_ms()),
+                        None => {
+                            errors.add("received a message that is not a traffic message".into())
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(e) => {
+                        errors.add(format!("recv: {e}"));
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            }
+        })
+    };
+
+    let begin = Instant::now();
+    while !stop.load(Ordering::Relaxed) && cfg.duration.is_none_or(|d| begin.elapsed() < d) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop_send.store(true, Ordering::Relaxed);
+    let _ = sender.join();
+    if let Endpoint::Migratable(c, _) = &*ep {
+        if !c.flush(Duration::from_secs(3)) {
+            errors.add("flush: messages still unacknowledged after 3 s".into());
+        }
+    }
+    std::thread::sleep(cfg.linger);
+    stop_recv.store(true, Ordering::Relaxed);
+    let _ = receiver.join();
+
+    let (established, link_events, replayed) = match &*ep {
+        Endpoint::Migratable(c, _) => {
+            let s = c.stats();
+            (s.established, s.link_events, s.replayed)
+        }
+        Endpoint::Plain(p) => {
+            let s = p.stats();
+            for e in s.errors {
+                errors.add(format!("connection: {e}"));
+            }
+            (s.established, Vec::new(), 0)
+        }
+    };
+    if let Endpoint::Migratable(c, _) = &*ep {
+        if let Err(e) = c.close() {
+            errors.add(format!("close: {e}"));
+        }
+    }
+    let t = tracker.lock().unwrap_or_else(|p| p.into_inner());
+    let (gap, gap_start, gap_end) = t.max_gap.unwrap_or((Duration::ZERO, 0, 0));
+    let (role, address) = match cfg.side {
+        Side::Serve(a) => ("serve", a),
+        Side::Connect(a) => ("connect", a),
+    };
+    Ok(Report {
+        role: role.into(),
+        mode: cfg.mode,
+        address: address.to_string(),
+        rate: cfg.rate,
+        size: cfg.size,
+        sent: sent.load(Ordering::Relaxed),
+        send_failures: send_failures.load(Ordering::Relaxed),
+        received: t.received,
+        lost: t.lost(),
+        duplicated: t.duplicated,
+        reordered: t.reordered,
+        next_expected: t.next,
+        max_gap_ms: gap.as_secs_f64() * 1000.0,
+        max_gap_start_unix_ms: gap_start,
+        max_gap_end_unix_ms: gap_end,
+        max_gap_end_time: time_of_day(gap_end),
+        errors: errors.list(),
+        link_events,
+        connections_established: established,
+        replayed,
+        started_unix_ms,
+        ended_unix_ms: unix_ms(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        let m = encode_message(42, 7, 256);
+        assert_eq!(m.len(), 256);
+        assert_eq!(decode_message(&m), Some((42, 7)));
+        assert_eq!(decode_message(&m[..10]), None);
+        assert_eq!(decode_message(b"xxxxxxxxxxxxxxxxxxxxxxxx"), None);
+    }
+
+    #[test]
+    fn tracker_counts_loss_duplicates_reordering_and_gaps() {
+        let mut t = Tracker::default();
+        let t0 = Instant::now();
+        for (i, c) in [0u64, 1, 2, 5, 3, 3, 6].iter().enumerate() {
+            let ms = if i == 3 { 900 } else { i as u64 * 10 };
+            t.on_message(*c, t0 + Duration::from_millis(ms), 1000 + ms);
+        }
+        assert_eq!(t.received, 7);
+        assert_eq!(t.lost(), 1); // 4
+        assert_eq!(t.reordered, 1); // 3
+        assert_eq!(t.duplicated, 1); // second 3
+        let (gap, start, end) = t.max_gap.unwrap();
+        assert_eq!(gap, Duration::from_millis(880));
+        assert_eq!((start, end), (1020, 1900));
+    }
+
+    #[test]
+    fn time_of_day_formats() {
+        assert_eq!(time_of_day(3_723_004), "01:02:03.004");
+    }
+}

@@ -20,7 +20,7 @@
 mod credits;
 mod listener;
 pub mod wire;
-mod worker;
+pub(crate) mod worker;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

@@ -21,11 +21,11 @@ use crate::verbs::{
 };
 
 /// wr_id of receives: RECV_BASE + slot; sends use the slot number.
-const RECV_BASE: u64 = 1 << 32;
+pub(crate) const RECV_BASE: u64 = 1 << 32;
 /// Credits DATA leaves for control messages.
 const RESERVE: u64 = 4;
 /// Extra send slots beyond the receive depth (room for control messages).
-const EXTRA_SEND_SLOTS: u32 = 8;
+pub(crate) const EXTRA_SEND_SLOTS: u32 = 8;
 /// Bounds of the set-up steps of one connect attempt.
 const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
 const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
@@ -96,13 +96,13 @@ pub(crate) fn spawn(
 
 /// The verbs objects of one QP. `Drop` destroys the QP, then the fields drop in order:
 /// CQ, completion channel, MRs, PD, and the cm id last.
-struct Endpoint {
-    cq: CompletionQueue,
-    comp: CompletionChannel,
-    send_mr: MemoryRegion,
-    recv_mr: MemoryRegion,
+pub(crate) struct Endpoint {
+    pub(crate) cq: CompletionQueue,
+    pub(crate) comp: CompletionChannel,
+    pub(crate) send_mr: MemoryRegion,
+    pub(crate) recv_mr: MemoryRegion,
     _pd: ProtectionDomain,
-    id: CmId,
+    pub(crate) id: CmId,
 }
 
 impl Drop for Endpoint {
@@ -111,7 +111,11 @@ impl Drop for Endpoint {
     }
 }
 
-fn build_endpoint(mut id: CmId, depth: u32, slot: usize) -> Result<Endpoint, VerbsError> {
+pub(crate) fn build_endpoint(
+    mut id: CmId,
+    depth: u32,
+    slot: usize,
+) -> Result<Endpoint, VerbsError> {
     let send_slots = depth + EXTRA_SEND_SLOTS;
     let pd = id.alloc_pd()?;
     let comp = id.create_comp_channel()?;
@@ -272,7 +276,7 @@ impl From<VerbsError> for AttemptError {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(c) = src {

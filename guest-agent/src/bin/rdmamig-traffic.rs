@@ -1,0 +1,292 @@
+//! rdmamig-traffic: numbered messages both ways over a migratable (or plain) RDMA
+//! connection, with a JSON report of loss, duplicates and the largest delivery gap.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use nix::sys::signal::{SigSet, Signal};
+use rdmamig_guest::conn::ConnectOptions;
+use rdmamig_guest::traffic::{self, Mode, Side, TrafficConfig};
+use rdmamig_proto::app::{AgentToApp, AppToAgent};
+use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+
+/// Send numbered messages both ways over an RDMA connection and report what arrived.
+///
+/// Start `serve` on one machine and `connect` on the other. Both sides send `--rate`
+/// messages per second (each carries a counter and a timestamp) and account for what the
+/// peer sent: messages lost (gaps in the numbering), duplicated, reordered, and the largest
+/// gap between two consecutive deliveries (the blackout of a move). On SIGINT/SIGTERM, or
+/// after `--duration`, sending stops, the outbox is flushed, the tool keeps receiving for
+/// `--linger-ms`, then writes the JSON report to `--report` and stdout.
+///
+/// Example:
+///   rdmamig-traffic serve   --listen 10.77.0.1:7471 --rate 200 --report /tmp/a.json
+///   rdmamig-traffic connect --to 10.77.0.1:7471 --rate 200 --report /tmp/b.json
+///   rdmamig-traffic ctl --socket /run/rdmamig/agent.sock quiesce   (drive a process like the agent)
+#[derive(Parser, Debug)]
+#[command(name = "rdmamig-traffic", version, verbatim_doc_comment)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Listen on an address and exchange traffic with whoever connects.
+    Serve {
+        /// Address to listen on (an address of the RDMA device).
+        #[arg(long)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Connect to a `serve` and exchange traffic.
+    Connect {
+        /// Address of the serving side.
+        #[arg(long)]
+        to: SocketAddr,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Act as the agent for one request: listen on --socket, wait for a traffic process's
+    /// library to register (it retries every second), send it the request, print its reply.
+    /// Exercises exactly the code path the real agent drives.
+    Ctl {
+        /// The agent socket the traffic process was started with (--agent-socket).
+        #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Time the process may take, in ms (quiesce / resume).
+        #[arg(long, default_value_t = 10_000)]
+        deadline_ms: u64,
+        /// How long to wait for the process to register, in ms.
+        #[arg(long, default_value_t = 10_000)]
+        wait_ms: u64,
+        /// describe | quiesce | resume
+        #[arg(value_parser = ["describe", "quiesce", "resume"])]
+        op: String,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct Common {
+    /// migratable: rdmamig's connection (quiesce/resume/replay); plain: a naive rdma_cm
+    /// connection that reconnects on its own and loses what was in flight.
+    #[arg(long, value_enum, default_value_t = Mode::Migratable)]
+    mode: Mode,
+    /// Messages per second this side sends.
+    #[arg(long, default_value_t = 100)]
+    rate: u32,
+    /// Bytes per message (at least 20).
+    #[arg(long, default_value_t = 256)]
+    size: usize,
+    /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Keep receiving this long after sending stopped, in ms.
+    #[arg(long, default_value_t = 1500)]
+    linger_ms: u64,
+    /// Write the JSON report here (it is printed on stdout too).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Create this file once the connection is established.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// The agent socket the library registers with (default $RDMAMIG_AGENT_SOCKET or
+    /// /run/rdmamig/agent.sock).
+    #[arg(long)]
+    agent_socket: Option<PathBuf>,
+    /// Seconds a migratable connection waits for a moved or lost peer before failing.
+    #[arg(long, default_value_t = 60)]
+    peer_wait_s: u64,
+    /// QP ACK timeout exponent (4.096 us x 2^n) of migratable connections.
+    #[arg(long, default_value_t = 16)]
+    ack_timeout: u8,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("RDMAMIG_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Serve { listen, common } => run_traffic(Side::Serve(listen), common),
+        Cmd::Connect { to, common } => run_traffic(Side::Connect(to), common),
+        Cmd::Ctl {
+            socket,
+            deadline_ms,
+            wait_ms,
+            op,
+        } => ctl(&socket, &op, deadline_ms, wait_ms),
+    };
+    std::process::exit(code);
+}
+
+fn run_traffic(side: Side, c: Common) -> i32 {
+    // Block the stop signals in every thread (spawned threads inherit the mask) and wait for
+    // them in one thread: no signal handler, no unsafe.
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    if let Err(e) = signals.thread_block() {
+        eprintln!("rdmamig-traffic: blocking signals failed: {e}");
+        return 1;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            if signals.wait().is_ok() {
+                stop.store(true, Ordering::Relaxed);
+            }
+        });
+    }
+    if let Some(path) = &c.agent_socket {
+        rdmamig_guest::registry::set_agent_socket(path);
+    }
+    let cfg = TrafficConfig {
+        side,
+        mode: c.mode,
+        rate: c.rate,
+        size: c.size.max(traffic::MIN_SIZE),
+        duration: c.duration.map(Duration::from_secs_f64),
+        linger: Duration::from_millis(c.linger_ms),
+        ready_file: c.ready_file,
+        conn: ConnectOptions {
+            peer_wait: Duration::from_secs(c.peer_wait_s),
+            ack_timeout: c.ack_timeout,
+            max_message: c.size.max(traffic::MIN_SIZE),
+            ..ConnectOptions::default()
+        },
+    };
+    match traffic::run(&cfg, &stop) {
+        Ok(report) => {
+            let json = serde_json::to_string_pretty(&report).unwrap_or_default();
+            println!("{json}");
+            if let Some(path) = &c.report {
+                if let Err(e) = std::fs::write(path, &json) {
+                    eprintln!("rdmamig-traffic: writing {}: {e}", path.display());
+                    return 1;
+                }
+            }
+            0
+        }
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            eprintln!("rdmamig-traffic: {msg}");
+            2
+        }
+    }
+}
+
+fn ctl(socket: &std::path::Path, op: &str, deadline_ms: u64, wait_ms: u64) -> i32 {
+    match ctl_inner(socket, op, deadline_ms, wait_ms) {
+        Ok(json) => {
+            println!("{json}");
+            0
+        }
+        Err(e) => {
+            eprintln!("rdmamig-traffic ctl: {e}");
+            1
+        }
+    }
+}
+
+fn ctl_inner(
+    socket: &std::path::Path,
+    op: &str,
+    deadline_ms: u64,
+    wait_ms: u64,
+) -> Result<String, String> {
+    let _ = std::fs::remove_file(socket);
+    if let Some(dir) = socket.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let listener =
+        UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
+    let cleanup = Cleanup(socket.to_owned());
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let wait_until = Instant::now() + Duration::from_millis(wait_ms);
+    let mut stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= wait_until {
+                    return Err(format!("no process registered within {wait_ms} ms"));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(deadline_ms + 10_000)))
+        .map_err(|e| e.to_string())?;
+    let mut fb = FrameBuffer::new();
+    let hello: AppToAgent = read_frame(&mut stream, &mut fb)?;
+    let request = match op {
+        "describe" => AgentToApp::Describe { request: 1 },
+        "quiesce" => AgentToApp::Quiesce {
+            request: 1,
+            deadline_ms,
+        },
+        _ => AgentToApp::Resume {
+            request: 1,
+            deadline_ms,
+        },
+    };
+    let start = Instant::now();
+    stream
+        .write_all(&Frame::encode(&request))
+        .map_err(|e| e.to_string())?;
+    let reply: AppToAgent = read_frame(&mut stream, &mut fb)?;
+    let elapsed = start.elapsed();
+    drop(cleanup);
+    Ok(serde_json::json!({
+        "hello": hello,
+        "reply": reply,
+        "elapsed_ms": elapsed.as_secs_f64() * 1000.0,
+        "at_unix_ms": traffic::unix_ms(),
+    })
+    .to_string())
+}
+
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn read_frame<T: serde::de::DeserializeOwned>(
+    stream: &mut std::os::unix::net::UnixStream,
+    fb: &mut FrameBuffer,
+) -> Result<T, String> {
+    let mut buf = [0u8; 4096];
+    loop {
+        match fb.pop() {
+            Ok(f) => return f.decode::<T>().map_err(|e| e.to_string()),
+            Err(FrameError::Incomplete { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        let n = stream.read(&mut buf).map_err(|e| format!("reading: {e}"))?;
+        if n == 0 {
+            return Err("the process closed the socket".into());
+        }
+        fb.push(&buf[..n]);
+    }
+}
