@@ -1,1 +1,45 @@
-//! placeholder
+//! The rdmamig test bed: real RDMA (Soft-RoCE), real hot-plug and real live migration in QEMU
+//! TCG guests, on a machine without RDMA hardware (see `../shared/TESTBED.md` and
+//! `docs/testbed.md`).
+//!
+//! - [`testbed`]: the fixture: a network namespace with a bridge, taps, the guest image, and
+//!   cleanup of everything in `Drop`.
+//! - [`guest`]: one QEMU guest: command line, process, sockets, console commands.
+//! - [`console`]: the serial-console command protocol.
+//! - [`qmp`]: a minimal QMP client for the harness's own checks.
+//! - [`netns`]: the namespace, bridge and taps.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdmamig_testbed::{GuestBinaries, Testbed};
+//!
+//! let tb = Testbed::builder("example")
+//!     .guest_binaries(GuestBinaries::IfPresent)
+//!     .build()?;
+//! let a = tb.start_guest(tb.guest_spec("a")?)?;
+//! let out = a.run("ibv_devinfo", Duration::from_secs(10))?;
+//! assert!(out.output.contains("PORT_ACTIVE"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod console;
+pub mod guest;
+pub mod netns;
+pub mod qmp;
+pub mod testbed;
+
+/// Formats an error with its chain of causes, one per line, for test failure messages.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(&format!("\n  caused by: {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
+pub use console::{CommandOutput, ConsoleError};
+pub use guest::{Guest, GuestError, GuestSpec};
+pub use qmp::{Qmp, QmpError};
+pub use testbed::{GuestBinaries, Testbed, TestbedBuilder, TestbedError};

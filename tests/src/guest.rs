@@ -1,0 +1,530 @@
+//! QEMU TCG guests on the test bed: their command line, their process, their sockets.
+//!
+//! Each guest is one `qemu-system-x86_64` started with `ip netns exec` inside the test bed's
+//! namespace, in a process group of its own so that stopping it ends everything it started.
+//! The command line follows TESTBED.md: q35 with two PCIe root ports (rp1, rp2) for hot-plug,
+//! the RDMA NIC as a virtio-net-pci on rp1 backed by tap netdev `nd0`, a virtio-serial port for
+//! the agent, and the serial console and QMP on UNIX sockets in the guest's directory. A
+//! migration destination has the same devices except the NIC (it is plugged after the move)
+//! and waits with `-incoming defer` for the migrator's `migrate-incoming`.
+
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use rdmamig_images::init::{AGENT_PORT_NAME, NOT_READY_MARKER, PARAM_IP, PARAM_MAC, READY_MARKER};
+use rdmamig_images::Image;
+
+use crate::console::{CommandOutput, Console, ConsoleError};
+use crate::qmp::{Qmp, QmpError};
+
+/// How long a guest may take from QEMU's start to `RDMAMIG-READY` (a boot takes ~6 s).
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long QEMU may take to create its sockets.
+const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stopping QEMU gets after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+/// Console lines printed per guest in failure dumps.
+const DUMP_LINES: usize = 60;
+
+/// Errors of guest handling.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestError {
+    /// Creating the guest's directory or log file failed.
+    #[error("preparing directory {dir} of guest {guest}")]
+    Prepare {
+        /// The guest's name.
+        guest: String,
+        /// The guest's directory.
+        dir: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU could not be started.
+    #[error("starting QEMU for guest {guest}")]
+    Spawn {
+        /// The guest's name.
+        guest: String,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU exited while the harness waited for it.
+    #[error("QEMU of guest {guest} exited ({status}); its log ends with:\n{log_tail}")]
+    Exited {
+        /// The guest's name.
+        guest: String,
+        /// QEMU's exit status.
+        status: ExitStatus,
+        /// The end of QEMU's stdout/stderr.
+        log_tail: String,
+    },
+    /// The guest reported that its RDMA NIC did not come up.
+    #[error("guest {guest} is not ready: {line}; its console ends with:\n{console_tail}")]
+    NotReady {
+        /// The guest's name.
+        guest: String,
+        /// The guest's RDMAMIG-NOTREADY line.
+        line: String,
+        /// The end of the console log.
+        console_tail: String,
+    },
+    /// Booting did not reach RDMAMIG-READY.
+    #[error("guest {guest} did not boot; its console ends with:\n{console_tail}")]
+    Boot {
+        /// The guest's name.
+        guest: String,
+        /// The end of the console log.
+        console_tail: String,
+        /// What went wrong on the console.
+        #[source]
+        source: ConsoleError,
+    },
+    /// A console command could not be run.
+    #[error("running {command:?} on guest {guest}")]
+    Command {
+        /// The guest's name.
+        guest: String,
+        /// The command.
+        command: String,
+        /// What went wrong.
+        #[source]
+        source: ConsoleError,
+    },
+    /// A console command exited with a non-zero status where success was required.
+    #[error("{command:?} on guest {guest} exited with status {status}:\n{output}")]
+    CommandFailed {
+        /// The guest's name.
+        guest: String,
+        /// The command.
+        command: String,
+        /// Its exit status.
+        status: i32,
+        /// Its output.
+        output: String,
+    },
+    /// The console could not be (re)attached.
+    #[error("attaching to the console of guest {guest}")]
+    Attach {
+        /// The guest's name.
+        guest: String,
+        /// What went wrong.
+        #[source]
+        source: ConsoleError,
+    },
+    /// QMP could not be reached.
+    #[error("QMP of guest {guest}")]
+    Qmp {
+        /// The guest's name.
+        guest: String,
+        /// What went wrong.
+        #[source]
+        source: QmpError,
+    },
+}
+
+/// How to start one guest. [`crate::Testbed::guest_spec`] fills in a fresh tap and an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestSpec {
+    /// Short name (`a`, `b`, `a-dst`), used for the guest's directory and in messages.
+    pub name: String,
+    /// The RDMA NIC's address with prefix (`10.77.0.11/24`), passed as `rdmamig.ip=`.
+    pub ip: String,
+    /// The RDMA NIC's MAC, passed as `rdmamig.mac=` and given to the NIC device.
+    pub mac: String,
+    /// The tap (in the test bed's namespace) backing netdev `nd0`.
+    pub tap: String,
+    /// Whether the NIC device `nic0` (on `rp1`) is present at start. A migration destination
+    /// has the netdev but no device.
+    pub with_nic: bool,
+    /// Guest memory in MiB.
+    pub memory_mib: u32,
+}
+
+impl GuestSpec {
+    /// The NIC's address without the prefix length (`10.77.0.11`).
+    pub fn address(&self) -> &str {
+        self.ip.split('/').next().unwrap_or(&self.ip)
+    }
+}
+
+/// A QEMU process, shared between its [`Guest`] and the test bed's registry so that whichever
+/// goes first stops it, and the test bed can dump its logs.
+#[derive(Debug)]
+pub(crate) struct VmProcess {
+    pub(crate) name: String,
+    pub(crate) dir: PathBuf,
+    pid: u32,
+    /// `None` once stopped and reaped. Keeping the child unreaped until then guarantees the
+    /// process group id cannot be reused by another process while it may still be signalled.
+    child: Mutex<Option<Child>>,
+}
+
+impl VmProcess {
+    /// Whether QEMU has exited, without waiting (its exit status if so).
+    fn exit_status(&self) -> Option<ExitStatus> {
+        let mut child = self.child.lock().unwrap_or_else(|p| p.into_inner());
+        child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Stops QEMU and everything in its process group: SIGTERM, then SIGKILL after a grace
+    /// period. Idempotent.
+    pub(crate) fn stop(&self) {
+        let mut slot = self.child.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(mut child) = slot.take() else {
+            return;
+        };
+        let group = Pid::from_raw(self.pid as i32);
+        let _ = killpg(group, Signal::SIGTERM);
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Also reaches helpers QEMU may have left in its group.
+        let _ = killpg(group, Signal::SIGKILL);
+        let _ = child.wait();
+    }
+
+    /// The last lines of the console log and QEMU's own log, for failure reports.
+    pub(crate) fn dump(&self) -> String {
+        format!(
+            "===== guest {} console ({}) =====\n{}\n===== guest {} qemu log =====\n{}",
+            self.name,
+            self.dir.join("console.log").display(),
+            tail(&self.dir.join("console.log"), DUMP_LINES),
+            self.name,
+            tail(&self.dir.join("qemu.log"), 20),
+        )
+    }
+}
+
+/// One running guest.
+#[derive(Debug)]
+pub struct Guest {
+    spec: GuestSpec,
+    process: Arc<VmProcess>,
+    console: Mutex<Option<Console>>,
+}
+
+/// Everything [`Guest::launch`] needs from the test bed.
+pub(crate) struct Launch<'a> {
+    pub(crate) netns: &'a str,
+    pub(crate) image: &'a Image,
+    pub(crate) dir: PathBuf,
+    pub(crate) incoming: bool,
+}
+
+impl Guest {
+    /// Starts QEMU for `spec`; returns once the console and QMP sockets exist. Does not wait
+    /// for the boot.
+    pub(crate) fn launch(spec: GuestSpec, launch: Launch<'_>) -> Result<Guest, GuestError> {
+        let prepare = |source| GuestError::Prepare {
+            guest: spec.name.clone(),
+            dir: launch.dir.clone(),
+            source,
+        };
+        fs::create_dir_all(&launch.dir).map_err(prepare)?;
+        let log = fs::File::create(launch.dir.join("qemu.log")).map_err(prepare)?;
+        let log_err = log.try_clone().map_err(prepare)?;
+        let child = Command::new("ip")
+            .args(["netns", "exec", launch.netns, "qemu-system-x86_64"])
+            .args(qemu_args(&spec, launch.image, &launch.dir, launch.incoming))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .spawn()
+            .map_err(|source| GuestError::Spawn {
+                guest: spec.name.clone(),
+                source,
+            })?;
+        let process = Arc::new(VmProcess {
+            name: spec.name.clone(),
+            dir: launch.dir,
+            pid: child.id(),
+            child: Mutex::new(Some(child)),
+        });
+        let guest = Guest {
+            spec,
+            process,
+            console: Mutex::new(None),
+        };
+        // QMP accepting a client means QEMU has parsed its command line and created its
+        // sockets; a QEMU that fails early (tap busy, bad option) is reported here.
+        let qmp = Qmp::connect(&guest.qmp_socket(), SOCKET_TIMEOUT);
+        if let Some(status) = guest.process.exit_status() {
+            return Err(GuestError::Exited {
+                guest: guest.spec.name.clone(),
+                status,
+                log_tail: tail(&guest.process.dir.join("qemu.log"), 20),
+            });
+        }
+        qmp.map_err(|source| GuestError::Qmp {
+            guest: guest.spec.name.clone(),
+            source,
+        })?;
+        Ok(guest)
+    }
+
+    pub(crate) fn process(&self) -> &Arc<VmProcess> {
+        &self.process
+    }
+
+    /// Attaches the console and waits for `RDMAMIG-READY`.
+    pub(crate) fn wait_ready(&self) -> Result<(), GuestError> {
+        self.reattach_console()?;
+        let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(console) = console.as_ref() else {
+            unreachable!("reattach_console attached a console")
+        };
+        // Output from before the connection is only in the log file.
+        let early = fs::read_to_string(self.console_log()).unwrap_or_default();
+        if early.lines().any(|l| l.contains(READY_MARKER)) {
+            return Ok(());
+        }
+        let boot_error = |source| {
+            let status = self.process.exit_status();
+            match status {
+                Some(status) => GuestError::Exited {
+                    guest: self.spec.name.clone(),
+                    status,
+                    log_tail: tail(&self.process.dir.join("qemu.log"), 20),
+                },
+                None => GuestError::Boot {
+                    guest: self.spec.name.clone(),
+                    console_tail: tail(&self.console_log(), DUMP_LINES),
+                    source,
+                },
+            }
+        };
+        match console.wait_for_marker(&[READY_MARKER, NOT_READY_MARKER], BOOT_TIMEOUT) {
+            Ok((0, _)) => Ok(()),
+            Ok((_, line)) => Err(GuestError::NotReady {
+                guest: self.spec.name.clone(),
+                line,
+                console_tail: tail(&self.console_log(), DUMP_LINES),
+            }),
+            Err(source) => Err(boot_error(source)),
+        }
+    }
+
+    /// The spec the guest was started from.
+    pub fn spec(&self) -> &GuestSpec {
+        &self.spec
+    }
+
+    /// The guest's name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// QEMU's process id (also its process group id).
+    pub fn pid(&self) -> u32 {
+        self.process.pid
+    }
+
+    /// The guest's directory: sockets and logs.
+    pub fn dir(&self) -> &Path {
+        &self.process.dir
+    }
+
+    /// QEMU's QMP socket. It serves one client at a time; do not hold it longer than needed.
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.dir().join("qmp.sock")
+    }
+
+    /// The host end of the agent's virtio-serial port (`org.rdmamig.agent.0`).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir().join("agent.sock")
+    }
+
+    /// The serial console's socket (the harness holds the one connection it serves).
+    pub fn console_socket(&self) -> PathBuf {
+        self.dir().join("con.sock")
+    }
+
+    /// The complete console output, written by QEMU whether or not a client is connected.
+    pub fn console_log(&self) -> PathBuf {
+        self.dir().join("console.log")
+    }
+
+    /// A path for a migration stream socket (`unix:<path>`) with this guest as the destination.
+    pub fn migration_socket_path(&self) -> PathBuf {
+        self.dir().join("mig.sock")
+    }
+
+    /// Connects a new QMP session (capabilities negotiated). Drop it when done.
+    pub fn qmp(&self) -> Result<Qmp, GuestError> {
+        Qmp::connect(&self.qmp_socket(), SOCKET_TIMEOUT).map_err(|source| GuestError::Qmp {
+            guest: self.spec.name.clone(),
+            source,
+        })
+    }
+
+    /// (Re)connects the harness to the console, e.g. on a migration destination, where the
+    /// source's shell loop carries on. Unconsumed output of the old connection is dropped.
+    pub fn reattach_console(&self) -> Result<(), GuestError> {
+        let mut slot = self.console.lock().unwrap_or_else(|p| p.into_inner());
+        // Free the single client slot before taking it again.
+        slot.take();
+        let console =
+            Console::connect(&self.console_socket(), SOCKET_TIMEOUT).map_err(|source| {
+                GuestError::Attach {
+                    guest: self.spec.name.clone(),
+                    source,
+                }
+            })?;
+        *slot = Some(console);
+        Ok(())
+    }
+
+    /// Runs a shell command on the guest's console (attaching first if needed) and returns its
+    /// status and output. See [`crate::console`] for the protocol.
+    pub fn run(&self, command: &str, timeout: Duration) -> Result<CommandOutput, GuestError> {
+        let command_error = |source| GuestError::Command {
+            guest: self.spec.name.clone(),
+            command: command.to_owned(),
+            source,
+        };
+        if self.console_missing() {
+            self.reattach_console()?;
+        }
+        let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(console) = console.as_ref() else {
+            unreachable!("the console was attached above")
+        };
+        console.run(command, timeout).map_err(command_error)
+    }
+
+    /// Like [`Guest::run`], but a non-zero status is an error; returns the output.
+    pub fn run_ok(&self, command: &str, timeout: Duration) -> Result<String, GuestError> {
+        let out = self.run(command, timeout)?;
+        if out.status != 0 {
+            return Err(GuestError::CommandFailed {
+                guest: self.spec.name.clone(),
+                command: command.to_owned(),
+                status: out.status,
+                output: out.output,
+            });
+        }
+        Ok(out.output)
+    }
+
+    /// Stops QEMU now (SIGTERM, then SIGKILL). Dropping the guest does the same.
+    pub fn kill(&self) {
+        self.console
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        self.process.stop();
+    }
+
+    fn console_missing(&self) -> bool {
+        self.console
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// QEMU's arguments for `spec` (after the program name).
+fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec<String> {
+    let path = |name: &str| dir.join(name).display().to_string();
+    let mut args: Vec<String> = [
+        "-name",
+        &spec.name,
+        "-accel",
+        "tcg",
+        "-machine",
+        "q35",
+        "-m",
+        &spec.memory_mib.to_string(),
+        "-smp",
+        "1",
+        "-nographic",
+        "-nodefaults",
+        "-no-reboot",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend([
+        "-kernel".into(),
+        image.kernel.display().to_string(),
+        "-initrd".into(),
+        image.initramfs.display().to_string(),
+        "-append".into(),
+        format!(
+            "console=ttyS0 panic=-1 quiet {PARAM_IP}={} {PARAM_MAC}={}",
+            spec.ip, spec.mac
+        ),
+        "-chardev".into(),
+        format!(
+            "socket,id=ser0,path={},server=on,wait=off,logfile={}",
+            path("con.sock"),
+            path("console.log")
+        ),
+        "-serial".into(),
+        "chardev:ser0".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", path("qmp.sock")),
+        "-device".into(),
+        "pcie-root-port,id=rp1,slot=1,chassis=1".into(),
+        "-device".into(),
+        "pcie-root-port,id=rp2,slot=2,chassis=2".into(),
+        "-netdev".into(),
+        format!("tap,id=nd0,ifname={},script=no,downscript=no", spec.tap),
+    ]);
+    if spec.with_nic {
+        // romfile= skips the iPXE option ROM: no network boot, ~2 s less to boot.
+        args.extend([
+            "-device".into(),
+            format!(
+                "virtio-net-pci,netdev=nd0,mac={},id=nic0,bus=rp1,romfile=",
+                spec.mac
+            ),
+        ]);
+    }
+    args.extend([
+        "-device".into(),
+        "virtio-serial-pci,id=vser0".into(),
+        "-chardev".into(),
+        format!(
+            "socket,path={},server=on,wait=off,id=ch0",
+            path("agent.sock")
+        ),
+        "-device".into(),
+        format!("virtserialport,chardev=ch0,name={AGENT_PORT_NAME},bus=vser0.0"),
+    ]);
+    if incoming {
+        args.extend(["-incoming".into(), "defer".into()]);
+    }
+    args
+}
+
+/// The last `lines` lines of a text file (lossy), or a note that it cannot be read.
+fn tail(path: &Path, lines: usize) -> String {
+    match fs::read(path) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
+            let all: Vec<&str> = text.lines().collect();
+            all[all.len().saturating_sub(lines)..].join("\n")
+        }
+        Err(e) => format!("({} unreadable: {e})", path.display()),
+    }
+}

@@ -1,0 +1,105 @@
+//! The test bed's private network: a network namespace holding a bridge and the guests' taps.
+//!
+//! Every test bed gets its own namespace, so guest traffic (10.77.0.0/24) never reaches the
+//! host's network or another test running at the same time, and interface names inside it
+//! (`br0`, `tap0`, ...) cannot collide. Deleting the namespace removes its bridge and taps with
+//! it. Everything is done with iproute2's `ip`, as an operator would.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Errors of namespace management.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// `ip` could not be run.
+    #[error("running `ip {args}`")]
+    Spawn {
+        /// The arguments given to ip.
+        args: String,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An `ip` command failed.
+    #[error("`ip {args}` failed: {stderr}")]
+    Command {
+        /// The arguments given to ip.
+        args: String,
+        /// What ip printed on stderr.
+        stderr: String,
+    },
+}
+
+/// A network namespace with a bridge `br0`, deleted on drop.
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+    next_tap: AtomicU32,
+}
+
+/// The bridge every tap joins.
+pub const BRIDGE: &str = "br0";
+
+impl NetNs {
+    /// Creates namespace `name` with loopback and bridge [`BRIDGE`] up.
+    pub fn create(name: &str) -> Result<NetNs, NetnsError> {
+        ip(&["netns", "add", name])?;
+        let ns = NetNs {
+            name: name.to_owned(),
+            next_tap: AtomicU32::new(0),
+        };
+        // From here on, drop deletes the namespace again if a step fails.
+        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.ip(&["link", "add", BRIDGE, "type", "bridge"])?;
+        ns.ip(&["link", "set", BRIDGE, "up"])?;
+        Ok(ns)
+    }
+
+    /// The namespace's name (for `ip netns exec`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Creates the next tap (`tap0`, `tap1`, ...), attached to the bridge and up, and returns
+    /// its name.
+    pub fn add_tap(&self) -> Result<String, NetnsError> {
+        let tap = format!("tap{}", self.next_tap.fetch_add(1, Ordering::Relaxed));
+        self.ip(&["tuntap", "add", "dev", &tap, "mode", "tap"])?;
+        self.ip(&["link", "set", &tap, "master", BRIDGE, "up"])?;
+        Ok(tap)
+    }
+
+    /// Runs `ip -n <ns> <args>`.
+    fn ip(&self, args: &[&str]) -> Result<String, NetnsError> {
+        let mut all = vec!["-n", &self.name];
+        all.extend_from_slice(args);
+        ip(&all)
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        if let Err(err) = ip(&["netns", "delete", &self.name]) {
+            eprintln!("rdmamig-testbed: deleting network namespace: {err}");
+        }
+    }
+}
+
+/// Runs `ip <args>` and returns its stdout.
+fn ip(args: &[&str]) -> Result<String, NetnsError> {
+    let joined = args.join(" ");
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|source| NetnsError::Spawn {
+            args: joined.clone(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(NetnsError::Command {
+            args: joined,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

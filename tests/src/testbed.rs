@@ -1,0 +1,397 @@
+//! The test-bed fixture: owns the network namespace, the guests' QEMU processes and the
+//! temporary directory, and cleans all of them up in `Drop`, panics included.
+//!
+//! A test creates a [`Testbed`], asks it for guest specs (each with a fresh tap on the bridge,
+//! a MAC and an address in 10.77.0.0/24), and starts guests from them. When the test bed is
+//! dropped while the thread panics (a failed assertion), it prints every guest's console tail
+//! to stderr first. `RDMAMIG_KEEP=1` keeps the temporary directory (sockets, console logs) for
+//! inspection.
+//!
+//! The guest image is built by the harness itself (`rdmamig_images::build`, about a second,
+//! reused when unchanged) into `<workspace>/target/testbed`, with the project's guest binaries
+//! from `RDMAMIG_BIN_DIR` (default `<workspace>/target/release`). Each test bed then copies the
+//! initramfs into its own directory, so a rebuild by another process during a test (e.g.
+//! between starting a migration source and its destination) cannot change what a test boots.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rdmamig_images::{Image, ImageError, ImageSpec};
+
+use crate::guest::{Guest, GuestError, GuestSpec, Launch, VmProcess};
+use crate::netns::{NetNs, NetnsError};
+
+/// The guest programs the project builds, installed into the image.
+pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic"];
+/// The subnet guests live in (inside the test bed's namespace only).
+pub const SUBNET_PREFIX: &str = "10.77.0";
+/// The first host number handed out (guest a gets .11, b .12, ...).
+const FIRST_HOST: u8 = 11;
+/// Memory per guest, MiB.
+const GUEST_MEMORY_MIB: u32 = 512;
+
+/// Errors of setting up a test bed or starting guests on it.
+#[derive(Debug, thiserror::Error)]
+pub enum TestbedError {
+    /// Something the test bed needs is missing on this machine.
+    #[error("test bed prerequisite missing: {what} ({hint})")]
+    Prerequisite {
+        /// What is missing.
+        what: String,
+        /// How to provide it.
+        hint: String,
+    },
+    /// A required guest binary is not built.
+    #[error("guest binary {path} does not exist (build it: cargo build --release -p rdmamig-guest; or set RDMAMIG_BIN_DIR)")]
+    GuestBinaryMissing {
+        /// Where it was expected.
+        path: PathBuf,
+    },
+    /// Building the guest image failed.
+    #[error("building the guest image in {out_dir}")]
+    BuildImage {
+        /// The image directory.
+        out_dir: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: Box<ImageError>,
+    },
+    /// The temporary directory could not be set up.
+    #[error("preparing the test bed directory for {testbed}")]
+    TempDir {
+        /// The test bed's name.
+        testbed: String,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Creating the network namespace failed.
+    #[error("creating network namespace {netns}")]
+    CreateNamespace {
+        /// The namespace's name.
+        netns: String,
+        /// What went wrong.
+        #[source]
+        source: NetnsError,
+    },
+    /// Creating a tap failed.
+    #[error("adding a tap in network namespace {netns}")]
+    AddTap {
+        /// The namespace's name.
+        netns: String,
+        /// What went wrong.
+        #[source]
+        source: NetnsError,
+    },
+    /// All guest addresses are taken.
+    #[error("no guest address left in {SUBNET_PREFIX}.0/24")]
+    AddressesExhausted,
+    /// A guest failed to start.
+    #[error("starting guest {guest}")]
+    StartGuest {
+        /// The guest's name.
+        guest: String,
+        /// What went wrong.
+        #[source]
+        source: Box<GuestError>,
+    },
+}
+
+/// Whether the project's guest binaries must be in the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestBinaries {
+    /// Every one of [`GUEST_BINARIES`] must exist in the bin dir, or the test bed fails.
+    Required,
+    /// Those that exist are installed; the others are left out.
+    IfPresent,
+}
+
+/// Configures a [`Testbed`].
+#[derive(Debug, Clone)]
+pub struct TestbedBuilder {
+    name: String,
+    guest_binaries: GuestBinaries,
+}
+
+/// A network namespace with a bridge, and the guests running on it.
+#[derive(Debug)]
+pub struct Testbed {
+    name: String,
+    dir: PathBuf,
+    /// `None` when RDMAMIG_KEEP=1 keeps the directory.
+    _tempdir: Option<tempfile::TempDir>,
+    netns: NetNs,
+    image: Image,
+    next_host: AtomicU8,
+    guests: Mutex<Vec<Arc<VmProcess>>>,
+}
+
+/// Makes namespace names unique among the test beds of one process.
+static NEXT_TESTBED: AtomicU32 = AtomicU32::new(0);
+
+impl TestbedBuilder {
+    /// Chooses whether the guest binaries are required (the default) or optional.
+    pub fn guest_binaries(mut self, guest_binaries: GuestBinaries) -> Self {
+        self.guest_binaries = guest_binaries;
+        self
+    }
+
+    /// Checks the prerequisites, builds (or reuses) the image, and creates the namespace, the
+    /// bridge and the temporary directory.
+    pub fn build(self) -> Result<Testbed, TestbedError> {
+        check_prerequisites()?;
+        let image = build_image(self.guest_binaries)?;
+        let tmp_error = |source| TestbedError::TempDir {
+            testbed: self.name.clone(),
+            source,
+        };
+        let tempdir = tempfile::Builder::new()
+            .prefix(&format!("rdmamig-{}-", self.name))
+            .tempdir()
+            .map_err(tmp_error)?;
+        let (dir, tempdir) = if std::env::var("RDMAMIG_KEEP").as_deref() == Ok("1") {
+            let dir = tempdir.keep();
+            eprintln!("rdmamig-testbed: keeping {}", dir.display());
+            (dir, None)
+        } else {
+            (tempdir.path().to_owned(), Some(tempdir))
+        };
+        // A private copy: see the module docs.
+        let initramfs = dir.join("initramfs.cpio.gz");
+        fs::copy(&image.initramfs, &initramfs).map_err(tmp_error)?;
+        let image = Image { initramfs, ..image };
+        let netns_name = format!(
+            "rmg{}n{}",
+            std::process::id(),
+            NEXT_TESTBED.fetch_add(1, Ordering::Relaxed)
+        );
+        let netns = NetNs::create(&netns_name).map_err(|source| TestbedError::CreateNamespace {
+            netns: netns_name.clone(),
+            source,
+        })?;
+        Ok(Testbed {
+            name: self.name,
+            dir,
+            _tempdir: tempdir,
+            netns,
+            image,
+            next_host: AtomicU8::new(FIRST_HOST),
+            guests: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Testbed {
+    /// A test bed with the guest binaries required (see [`Testbed::builder`]).
+    pub fn new(name: &str) -> Result<Testbed, TestbedError> {
+        Testbed::builder(name).build()
+    }
+
+    /// A builder for a test bed named `name` (used in the temporary directory's name).
+    pub fn builder(name: &str) -> TestbedBuilder {
+        TestbedBuilder {
+            name: name.to_owned(),
+            guest_binaries: GuestBinaries::Required,
+        }
+    }
+
+    /// The test bed's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The network namespace's name (for `ip netns exec`).
+    pub fn netns(&self) -> &str {
+        self.netns.name()
+    }
+
+    /// The temporary directory (one subdirectory per guest).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The image guests boot (the initramfs is the test bed's private copy).
+    pub fn image(&self) -> &Image {
+        &self.image
+    }
+
+    /// Creates a tap on the bridge and returns its name.
+    pub fn add_tap(&self) -> Result<String, TestbedError> {
+        self.netns.add_tap().map_err(|source| TestbedError::AddTap {
+            netns: self.netns.name().to_owned(),
+            source,
+        })
+    }
+
+    /// A spec for a new guest: a new tap, the next address in 10.77.0.0/24 (from .11) and a
+    /// matching MAC `52:54:00:77:00:<host in hex>`, with the NIC present.
+    pub fn guest_spec(&self, name: &str) -> Result<GuestSpec, TestbedError> {
+        let host = self
+            .next_host
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| h.checked_add(1))
+            .ok()
+            .filter(|&h| h < 255)
+            .ok_or(TestbedError::AddressesExhausted)?;
+        Ok(GuestSpec {
+            name: name.to_owned(),
+            ip: format!("{SUBNET_PREFIX}.{host}/24"),
+            mac: format!("52:54:00:77:00:{host:02x}"),
+            tap: self.add_tap()?,
+            with_nic: true,
+            memory_mib: GUEST_MEMORY_MIB,
+        })
+    }
+
+    /// A spec for the migration destination of `source`: the same address and MAC, a new tap,
+    /// and no NIC device (it is plugged after the move).
+    pub fn incoming_spec(&self, source: &GuestSpec, name: &str) -> Result<GuestSpec, TestbedError> {
+        Ok(GuestSpec {
+            name: name.to_owned(),
+            tap: self.add_tap()?,
+            with_nic: false,
+            ..source.clone()
+        })
+    }
+
+    /// Starts a guest and waits (at most [`crate::guest::BOOT_TIMEOUT`]) until it prints
+    /// `RDMAMIG-READY`: booted, and its RDMA NIC (if any) has an ACTIVE Soft-RoCE device.
+    pub fn start_guest(&self, spec: GuestSpec) -> Result<Guest, TestbedError> {
+        let name = spec.name.clone();
+        let guest = self.launch(spec, false)?;
+        guest
+            .wait_ready()
+            .map_err(|source| TestbedError::StartGuest {
+                guest: name,
+                source: Box::new(source),
+            })?;
+        Ok(guest)
+    }
+
+    /// Starts a migration destination (`-incoming defer`); returns once its QMP socket accepts
+    /// clients. The migrator sets the URI with `migrate-incoming`; after the move,
+    /// [`Guest::run`] attaches to its console, where the source's shell loop carries on.
+    pub fn start_incoming(&self, spec: GuestSpec) -> Result<Guest, TestbedError> {
+        self.launch(spec, true)
+    }
+
+    /// Prints every guest's console tail and QEMU log tail to stderr. Also done automatically
+    /// when the test bed is dropped during a panic.
+    pub fn dump_on_failure(&self) {
+        let guests = self.guests.lock().unwrap_or_else(|p| p.into_inner());
+        eprintln!(
+            "rdmamig-testbed {}: namespace {}, directory {}",
+            self.name,
+            self.netns.name(),
+            self.dir.display()
+        );
+        for guest in guests.iter() {
+            eprintln!("{}", guest.dump());
+        }
+    }
+
+    fn launch(&self, spec: GuestSpec, incoming: bool) -> Result<Guest, TestbedError> {
+        let name = spec.name.clone();
+        let dir = self.dir.join(&name);
+        let guest = Guest::launch(
+            spec,
+            Launch {
+                netns: self.netns.name(),
+                image: &self.image,
+                dir,
+                incoming,
+            },
+        )
+        .map_err(|source| TestbedError::StartGuest {
+            guest: name,
+            source: Box::new(source),
+        })?;
+        self.guests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(guest.process()));
+        Ok(guest)
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_on_failure();
+        }
+        let guests = self.guests.lock().unwrap_or_else(|p| p.into_inner());
+        for guest in guests.iter() {
+            guest.stop();
+        }
+        // Then the fields drop: the namespace (with its bridge and taps), then the directory.
+    }
+}
+
+/// Fails clearly when something the test bed needs is missing; never skips.
+fn check_prerequisites() -> Result<(), TestbedError> {
+    let missing = |what: &str, hint: &str| {
+        Err(TestbedError::Prerequisite {
+            what: what.into(),
+            hint: hint.into(),
+        })
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        return missing(
+            "root",
+            "network namespaces and taps need CAP_NET_ADMIN; run the tests as root",
+        );
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        return missing("/dev/net/tun", "load the tun module: modprobe tun");
+    }
+    for (program, package) in [
+        ("qemu-system-x86_64", "qemu-system-x86"),
+        ("ip", "iproute2"),
+    ] {
+        if !in_path(program) {
+            return missing(program, &format!("apt-get install {package}"));
+        }
+    }
+    Ok(())
+}
+
+fn in_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()))
+}
+
+/// The workspace root (this crate lives in `<workspace>/tests`).
+fn workspace_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().unwrap_or(manifest_dir).to_owned()
+}
+
+/// Builds (or reuses) the image in `<workspace>/target/testbed`.
+fn build_image(guest_binaries: GuestBinaries) -> Result<Image, TestbedError> {
+    let root = workspace_root();
+    let bin_dir = std::env::var_os("RDMAMIG_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/release"));
+    let mut binaries = Vec::new();
+    for name in GUEST_BINARIES {
+        let path = bin_dir.join(name);
+        if path.is_file() {
+            binaries.push(path);
+        } else if guest_binaries == GuestBinaries::Required {
+            return Err(TestbedError::GuestBinaryMissing { path });
+        }
+    }
+    let out_dir = root.join("target/testbed");
+    rdmamig_images::build(&ImageSpec {
+        out_dir: out_dir.clone(),
+        guest_binaries: binaries,
+        ..ImageSpec::default()
+    })
+    .map_err(|source| TestbedError::BuildImage {
+        out_dir,
+        source: Box::new(source),
+    })
+}
