@@ -85,6 +85,49 @@ impl Drop for NetNs {
     }
 }
 
+/// The prefix of every test-bed namespace name: `rmg<pid>n<counter>`.
+pub const NAME_PREFIX: &str = "rmg";
+
+/// The name for test bed number `counter` of this process.
+pub fn namespace_name(counter: u32) -> String {
+    format!("{NAME_PREFIX}{}n{counter}", std::process::id())
+}
+
+/// The harness process a test-bed namespace name belongs to, if the name is one of ours.
+fn owner_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(NAME_PREFIX)?;
+    let (pid, counter) = rest.split_once('n')?;
+    counter.parse::<u32>().ok()?;
+    pid.parse().ok()
+}
+
+/// Removes the namespaces of test beds whose harness process is gone (killed before its
+/// `Drop` ran, e.g. by Ctrl-C), SIGKILLing the processes still inside them (their QEMUs).
+/// Returns the names removed. Namespaces of live harnesses are left alone.
+pub fn sweep_stale() -> Result<Vec<String>, NetnsError> {
+    let mut removed = Vec::new();
+    for line in ip(&["netns", "list"])?.lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        let Some(pid) = owner_pid(name) else {
+            continue;
+        };
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        for process in ip(&["netns", "pids", name])?.split_whitespace() {
+            if let Ok(process) = process.parse::<i32>() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(process),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        ip(&["netns", "delete", name])?;
+        removed.push(name.to_owned());
+    }
+    Ok(removed)
+}
+
 /// Runs `ip <args>` and returns its stdout.
 fn ip(args: &[&str]) -> Result<String, NetnsError> {
     let joined = args.join(" ");
@@ -102,4 +145,18 @@ fn ip(args: &[&str]) -> Result<String, NetnsError> {
         });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_our_names_have_owners() {
+        assert_eq!(owner_pid(&namespace_name(3)), Some(std::process::id()));
+        assert_eq!(owner_pid("rmg123n0"), Some(123));
+        assert_eq!(owner_pid("rmg123"), None);
+        assert_eq!(owner_pid("rmgxn1"), None);
+        assert_eq!(owner_pid("other"), None);
+    }
 }

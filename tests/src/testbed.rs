@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use rdmamig_images::{Image, ImageError, ImageSpec};
 
 use crate::guest::{Guest, GuestError, GuestSpec, Launch, VmProcess};
-use crate::netns::{NetNs, NetnsError};
+use crate::netns::{self, NetNs, NetnsError};
 
 /// The guest programs the project builds, installed into the image.
 pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic"];
@@ -76,6 +76,9 @@ pub enum TestbedError {
         #[source]
         source: NetnsError,
     },
+    /// Removing namespaces left by killed test runs failed.
+    #[error("removing network namespaces left by killed test runs")]
+    SweepStale(#[source] NetnsError),
     /// Creating a tap failed.
     #[error("adding a tap in network namespace {netns}")]
     AddTap {
@@ -162,11 +165,10 @@ impl TestbedBuilder {
         let initramfs = dir.join("initramfs.cpio.gz");
         fs::copy(&image.initramfs, &initramfs).map_err(tmp_error)?;
         let image = Image { initramfs, ..image };
-        let netns_name = format!(
-            "rmg{}n{}",
-            std::process::id(),
-            NEXT_TESTBED.fetch_add(1, Ordering::Relaxed)
-        );
+        for stale in netns::sweep_stale().map_err(TestbedError::SweepStale)? {
+            eprintln!("rdmamig-testbed: removed namespace {stale} left by a killed test run");
+        }
+        let netns_name = netns::namespace_name(NEXT_TESTBED.fetch_add(1, Ordering::Relaxed));
         let netns = NetNs::create(&netns_name).map_err(|source| TestbedError::CreateNamespace {
             netns: netns_name.clone(),
             source,

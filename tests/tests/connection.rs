@@ -60,7 +60,23 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
             .map(|h| h.join().expect("boot thread"))
     });
     let (a, b) = (a?, b?);
-    let server = format!("{}:{PORT}", a.spec().ip);
+    let result = traffic_phases(&a, &b, &b_spec);
+    if result.is_err() {
+        for g in [&a, &b] {
+            if let Ok(out) = g.run("tail -n 60 /tmp/*.err /tmp/*.out", T) {
+                eprintln!("---- guest {} logs:\n{}", g.name(), out.output);
+            }
+        }
+    }
+    result
+}
+
+fn traffic_phases(
+    a: &rdmamig_testbed::Guest,
+    b: &rdmamig_testbed::Guest,
+    b_spec: &rdmamig_testbed::GuestSpec,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let server = format!("{}:{PORT}", a.spec().address());
     let common = format!("--mode migratable --rate {RATE} --agent-socket {AGENT_SOCKET}");
     a.run_ok(
         &format!(
@@ -76,14 +92,14 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
         ),
         T,
     )?;
-    for g in [&a, &b] {
+    for g in [a, b] {
         let f = if g.name() == "a" {
             "/tmp/a.ready"
         } else {
             "/tmp/b.ready"
         };
         g.run_ok(
-            &format!("for i in $(seq 300); do [ -e {f} ] && exit 0; sleep 0.1; done; cat /tmp/*.err; exit 1"),
+            &format!("for i in $(seq 100); do [ -e {f} ] && exit 0; sleep 0.1; done; exit 1"),
             T,
         )?;
     }
@@ -92,8 +108,8 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
 
     // 1. Quiesce and resume in place.
     let t0 = Instant::now();
-    let q = ctl(&b, "quiesce")?;
-    let r = ctl(&b, "resume")?;
+    let q = ctl(b, "quiesce")?;
+    let r = ctl(b, "resume")?;
     eprintln!(
         "in-place: quiesce {} ms, resume {} ms (wall incl. registration {:.2?})",
         q["elapsed_ms"],
@@ -103,7 +119,9 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     std::thread::sleep(Duration::from_secs(3));
 
     // 2. Quiesce, unplug, plug a new NIC, resume.
-    let q = ctl(&b, "quiesce")?;
+    let q = ctl(b, "quiesce")?;
+    let fds = b.run("for p in /proc/[0-9]*; do for f in $p/fd/*; do l=$(readlink $f); case $l in *uverbs*|*rdma_cm*) echo \"$p $(cat $p/comm) $l\";; esac; done; done", T)?;
+    eprintln!("verbs descriptors after quiesce:\n{}", fds.output);
     let mut qmp = b.qmp()?;
     let unplug_started = Instant::now();
     qmp.execute("device_del", json!({ "id": "nic0" }))?;
@@ -121,7 +139,7 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     drop(qmp);
     b.run_ok("rdmamig-netplug wait-active 10", T)?;
     let plug = plug_started.elapsed();
-    let r = ctl(&b, "resume")?;
+    let r = ctl(b, "resume")?;
     eprintln!(
         "move: quiesce {} ms; device_del -> DEVICE_DELETED {unplug:.2?}; device_add -> rxe ACTIVE {plug:.2?}; resume {} ms",
         q["elapsed_ms"], r["elapsed_ms"]
@@ -129,11 +147,11 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     std::thread::sleep(Duration::from_secs(3));
 
     // Stop both at once, collect the reports.
-    for g in [&a, &b] {
+    for g in [a, b] {
         g.run_ok("kill -TERM $(pidof rdmamig-traffic)", T)?;
     }
     let mut reports = Vec::new();
-    for (g, f) in [(&a, "/tmp/a.json"), (&b, "/tmp/b.json")] {
+    for (g, f) in [(a, "/tmp/a.json"), (b, "/tmp/b.json")] {
         let out = g.run_ok(
             &format!("for i in $(seq 200); do [ -s {f} ] && break; sleep 0.1; done; cat {f}"),
             T,

@@ -38,6 +38,18 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     eprintln!("boot to RDMAMIG-READY: a {a_boot:.2?}, b {b_boot:.2?} (in parallel)");
 
     for guest in [&a, &b] {
+        // /init starts the agent when the image has it.
+        let agent = guest.run(
+            "[ -x /usr/bin/rdmamig-agent ] || exit 0; pidof rdmamig-agent",
+            COMMAND_TIMEOUT,
+        )?;
+        assert_eq!(
+            agent.status,
+            0,
+            "{}: the agent is not running:\n{}",
+            guest.name(),
+            guest.run("cat /run/agent.log", COMMAND_TIMEOUT)?.output
+        );
         let info = guest.run_ok("ibv_devinfo", COMMAND_TIMEOUT)?;
         assert!(
             info.contains("PORT_ACTIVE"),
