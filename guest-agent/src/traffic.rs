@@ -21,7 +21,7 @@ pub const MAGIC: [u8; 4] = *b"RMTF";
 pub const MIN_SIZE: usize = 20;
 
 /// Which connection kind to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// rdmamig's migratable connection (quiesce, resume, replay).
@@ -177,7 +177,7 @@ impl Tracker {
 }
 
 /// The JSON report of one run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Report {
     /// "serve" or "connect".
     pub role: String,

@@ -8,6 +8,7 @@
 //! - [`console`]: the serial-console command protocol.
 //! - [`qmp`]: a minimal QMP client for the harness's own checks.
 //! - [`netns`]: the namespace, bridge and taps.
+//! - [`scenario`]: the move scenario the demo and the end-to-end tests run.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -26,6 +27,7 @@ pub mod console;
 pub mod guest;
 pub mod netns;
 pub mod qmp;
+pub mod scenario;
 pub mod testbed;
 
 /// Formats an error with its chain of causes, one per line, for test failure messages.
@@ -42,4 +44,13 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
 pub use console::{CommandOutput, ConsoleError};
 pub use guest::{Guest, GuestError, GuestSpec};
 pub use qmp::{Qmp, QmpError};
-pub use testbed::{GuestBinaries, Testbed, TestbedBuilder, TestbedError};
+pub use testbed::{bin_dir, GuestBinaries, Testbed, TestbedBuilder, TestbedError};
+
+/// Wall-clock milliseconds since the Unix epoch, the time base shared with the guests'
+/// traffic reports and the migrator's timeline.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -371,12 +371,17 @@ fn workspace_root() -> PathBuf {
     manifest_dir.parent().unwrap_or(manifest_dir).to_owned()
 }
 
+/// Where the project's binaries are: `RDMAMIG_BIN_DIR`, else `<workspace>/target/release`.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("RDMAMIG_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/release"))
+}
+
 /// Builds (or reuses) the image in `<workspace>/target/testbed`.
 fn build_image(guest_binaries: GuestBinaries) -> Result<Image, TestbedError> {
     let root = workspace_root();
-    let bin_dir = std::env::var_os("RDMAMIG_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/release"));
+    let bin_dir = bin_dir();
     let mut binaries = Vec::new();
     for name in GUEST_BINARIES {
         let path = bin_dir.join(name);

@@ -1,0 +1,473 @@
+//! The move scenario: a peer VM and a VM with an RDMA NIC exchange numbered messages both
+//! ways while the VM moves to another QEMU process with `rdmamig migrate`.
+//!
+//! The same scenario runs coordinated (strategy `reconnect`, traffic over rdmamig's
+//! migratable connection) and naively (strategy `naive`, traffic over a plain rdma_cm
+//! connection that reconnects on its own, as applications do today), on the same VMs, the
+//! same traffic and the same migration steps. The demo prints both; the end-to-end tests
+//! assert on them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdmamig_guest::traffic::Report as TrafficReport;
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::{Guest, GuestError, Testbed, TestbedError};
+
+/// Where the traffic tool listens on the peer.
+const TRAFFIC_PORT: u16 = 7471;
+/// Bound on every console command of the scenario.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bound on the whole `rdmamig migrate` run.
+const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How the VM is moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// rdmamig's coordinated move: quiesce, detach, migrate, attach, resume.
+    Reconnect,
+    /// What operators do today: unplug, migrate, plug; applications reconnect on their own.
+    Naive,
+}
+
+impl Strategy {
+    /// The migrator's name for the strategy.
+    pub fn migrator_name(self) -> &'static str {
+        match self {
+            Strategy::Reconnect => "reconnect",
+            Strategy::Naive => "naive",
+        }
+    }
+
+    /// The traffic tool's connection mode for the strategy.
+    fn traffic_mode(self) -> &'static str {
+        match self {
+            Strategy::Reconnect => "migratable",
+            Strategy::Naive => "plain",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ScenarioConfig {
+    /// How the VM is moved.
+    pub strategy: Strategy,
+    /// Messages per second each side sends.
+    pub rate: u32,
+    /// Traffic time before the move.
+    pub before: Duration,
+    /// Traffic time after the move.
+    pub after: Duration,
+}
+
+impl ScenarioConfig {
+    /// The defaults used by the demo and the tests.
+    pub fn new(strategy: Strategy) -> Self {
+        Self {
+            strategy,
+            rate: 200,
+            before: Duration::from_secs(3),
+            after: Duration::from_secs(4),
+        }
+    }
+}
+
+/// What a scenario produced.
+#[derive(Debug)]
+pub struct ScenarioOutcome {
+    /// The strategy used.
+    pub strategy: Strategy,
+    /// Whether `rdmamig migrate` exited with success.
+    pub move_succeeded: bool,
+    /// What `rdmamig migrate` printed (progress and the timeline).
+    pub move_output: String,
+    /// The migrator's JSON report, when it wrote one.
+    pub move_report: Option<Value>,
+    /// Wall-clock time (ms since the epoch) the move command started and ended.
+    pub move_window_unix_ms: (u64, u64),
+    /// The traffic report of the peer VM (it receives what the moving VM sends).
+    pub peer: TrafficReport,
+    /// The traffic report of the moving VM.
+    pub mover: TrafficReport,
+    /// The peer's clock minus the host's, in ms (guests set their clock from the RTC at
+    /// boot, to the second): subtract it from the peer's times to line them up with the
+    /// host's timeline.
+    pub peer_clock_offset_ms: i64,
+}
+
+/// Why a scenario could not be run to the end.
+#[derive(Debug, Error)]
+pub enum ScenarioError {
+    /// The test bed could not start a guest or a tap.
+    #[error("setting up the test bed")]
+    Testbed(#[from] TestbedError),
+    /// A console command in a guest failed.
+    #[error("in guest {guest}: {what}")]
+    Guest {
+        /// The guest.
+        guest: String,
+        /// What the scenario was doing.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: GuestError,
+    },
+    /// The migrator could not be started or run.
+    #[error("running {program}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The migrator daemon did not come up.
+    #[error("the rdmamig daemon did not create {socket} within {timeout:?}")]
+    DaemonStart {
+        /// The socket it should create.
+        socket: PathBuf,
+        /// How long we waited.
+        timeout: Duration,
+    },
+    /// `rdmamig migrate` ran longer than its bound.
+    #[error("rdmamig migrate did not finish within {0:?}")]
+    MoveTimeout(Duration),
+    /// A traffic report could not be read.
+    #[error("traffic report of guest {guest} is not valid: {reason}")]
+    Report {
+        /// The guest.
+        guest: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A running `rdmamig daemon`, stopped on drop.
+pub struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `rdmamig daemon` with its socket in `dir`, and waits for the socket.
+    pub fn start(dir: &Path) -> Result<Daemon, ScenarioError> {
+        let socket = dir.join("rdmamig.sock");
+        let log = std::fs::File::create(dir.join("rdmamig-daemon.log")).map_err(|source| {
+            ScenarioError::Spawn {
+                program: "rdmamig daemon".into(),
+                source,
+            }
+        })?;
+        let child = Command::new(crate::bin_dir().join("rdmamig"))
+            .args(["daemon", "--socket"])
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("cloning a file handle"))
+            .stderr(log)
+            .spawn()
+            .map_err(|source| ScenarioError::Spawn {
+                program: "rdmamig daemon".into(),
+                source,
+            })?;
+        let daemon = Daemon { child, socket };
+        let timeout = Duration::from_secs(10);
+        let end = Instant::now() + timeout;
+        while !daemon.socket.exists() {
+            if Instant::now() >= end {
+                return Err(ScenarioError::DaemonStart {
+                    socket: daemon.socket.clone(),
+                    timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(daemon)
+    }
+
+    /// The daemon's socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs the scenario on `bed` with a fresh peer, source and destination.
+pub fn run(
+    bed: &Testbed,
+    daemon: &Daemon,
+    config: &ScenarioConfig,
+) -> Result<ScenarioOutcome, ScenarioError> {
+    let tag = config.strategy.migrator_name();
+    let peer_spec = bed.guest_spec(&format!("{tag}-peer"))?;
+    let src_spec = bed.guest_spec(&format!("{tag}-src"))?;
+    let dst_spec = bed.incoming_spec(&src_spec, &format!("{tag}-dst"))?;
+    let (peer, src) = std::thread::scope(|s| {
+        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
+        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
+        (
+            peer.join().expect("boot thread"),
+            src.join().expect("boot thread"),
+        )
+    });
+    let (peer, src) = (peer?, src?);
+    let dst = bed.start_incoming(dst_spec)?;
+
+    let peer_clock_offset_ms = clock_offset_ms(&peer)?;
+    let server = format!("{}:{TRAFFIC_PORT}", peer_spec.address());
+    let common = format!(
+        "--mode {} --rate {} --report /run/traffic.json --ready-file /run/traffic.ready",
+        config.strategy.traffic_mode(),
+        config.rate
+    );
+    start_traffic(&peer, &format!("serve --listen {server} {common}"))?;
+    start_traffic(&src, &format!("connect --to {server} {common}"))?;
+    wait_ready(&peer)?;
+    wait_ready(&src)?;
+    std::thread::sleep(config.before);
+
+    let report_path = bed.dir().join(format!("move-{tag}.json"));
+    let mut migrate = Command::new(crate::bin_dir().join("rdmamig"));
+    migrate
+        .arg("migrate")
+        .arg("--socket")
+        .arg(daemon.socket())
+        .args(["--vm", &src_spec.name, "--qmp"])
+        .arg(src.qmp_socket())
+        .arg("--agent")
+        .arg(src.agent_socket())
+        .args(["--detach", "nic0", "--to-qmp"])
+        .arg(dst.qmp_socket())
+        .arg("--to-agent")
+        .arg(dst.agent_socket())
+        .arg("--attach")
+        .arg(format!(
+            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+            src_spec.mac
+        ))
+        .arg("--via")
+        .arg(format!("unix:{}", dst.migration_socket_path().display()))
+        .args(["--strategy", tag, "--report"])
+        .arg(&report_path);
+    let started = crate::unix_ms();
+    let log = bed.dir().join(format!("move-{tag}.log"));
+    let (move_succeeded, move_output) = run_bounded(migrate, &log, MOVE_TIMEOUT)?;
+    let ended = crate::unix_ms();
+    src.kill();
+
+    dst.reattach_console()
+        .map_err(|source| ScenarioError::Guest {
+            guest: dst.name().into(),
+            what: "attaching to the console after the move",
+            source,
+        })?;
+    std::thread::sleep(config.after);
+    let mover = stop_traffic(&dst)?;
+    let peer_report = stop_traffic(&peer)?;
+    let move_report = std::fs::read(&report_path)
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    Ok(ScenarioOutcome {
+        strategy: config.strategy,
+        move_succeeded,
+        move_output,
+        move_report,
+        move_window_unix_ms: (started, ended),
+        peer: peer_report,
+        mover,
+        peer_clock_offset_ms,
+    })
+}
+
+/// Estimates `guest`'s wall clock minus the host's from one console round trip (the
+/// error is at most half the round trip, tens of milliseconds).
+fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
+    let before = crate::unix_ms();
+    let out = guest
+        .run_ok("date +%s%N", COMMAND_TIMEOUT)
+        .map_err(|source| ScenarioError::Guest {
+            guest: guest.name().into(),
+            what: "reading the guest clock",
+            source,
+        })?;
+    let after = crate::unix_ms();
+    let guest_ns: u64 = out.trim().parse().map_err(|_| ScenarioError::Report {
+        guest: guest.name().into(),
+        reason: format!("`date +%s%N` printed {out:?}"),
+    })?;
+    Ok((guest_ns / 1_000_000) as i64 - ((before + after) / 2) as i64)
+}
+
+fn start_traffic(guest: &Guest, args: &str) -> Result<(), ScenarioError> {
+    guest
+        .run_ok(
+            &format!(
+                "rm -f /run/traffic.json /run/traffic.ready; \
+                 rdmamig-traffic {args} >/run/traffic.out 2>/run/traffic.err & \
+                 echo $! >/run/traffic.pid"
+            ),
+            COMMAND_TIMEOUT,
+        )
+        .map(drop)
+        .map_err(|source| ScenarioError::Guest {
+            guest: guest.name().into(),
+            what: "starting the traffic tool",
+            source,
+        })
+}
+
+fn wait_ready(guest: &Guest) -> Result<(), ScenarioError> {
+    guest
+        .run_ok(
+            "i=0; while [ ! -e /run/traffic.ready ]; do \
+               kill -0 $(cat /run/traffic.pid) 2>/dev/null || { cat /run/traffic.err; exit 1; }; \
+               i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done",
+            COMMAND_TIMEOUT,
+        )
+        .map(drop)
+        .map_err(|source| ScenarioError::Guest {
+            guest: guest.name().into(),
+            what: "waiting for the traffic tool to connect",
+            source,
+        })
+}
+
+fn stop_traffic(guest: &Guest) -> Result<TrafficReport, ScenarioError> {
+    let json = guest
+        .run_ok(
+            "kill -INT $(cat /run/traffic.pid); \
+             i=0; while [ ! -s /run/traffic.json ]; do \
+               i=$((i+1)); [ $i -gt 600 ] && { cat /run/traffic.err; exit 1; }; sleep 0.05; done; \
+             cat /run/traffic.json",
+            COMMAND_TIMEOUT,
+        )
+        .map_err(|source| ScenarioError::Guest {
+            guest: guest.name().into(),
+            what: "stopping the traffic tool",
+            source,
+        })?;
+    serde_json::from_str(&json).map_err(|e| ScenarioError::Report {
+        guest: guest.name().into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Runs `command` to completion within `timeout`, its output going to `log`; returns
+/// whether it succeeded and what it printed.
+fn run_bounded(
+    mut command: Command,
+    log: &Path,
+    timeout: Duration,
+) -> Result<(bool, String), ScenarioError> {
+    let spawn_error = |source| ScenarioError::Spawn {
+        program: "rdmamig migrate".into(),
+        source,
+    };
+    let file = std::fs::File::create(log).map_err(spawn_error)?;
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().map_err(spawn_error)?)
+        .stderr(file)
+        .spawn()
+        .map_err(spawn_error)?;
+    let end = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(spawn_error)? {
+            break status;
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(ScenarioError::MoveTimeout(timeout));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = std::fs::read_to_string(log).unwrap_or_default();
+    Ok((status.success(), output))
+}
+
+/// The application's view of one scenario, as printed by the demo and the tests.
+pub fn render(outcome: &ScenarioOutcome) -> String {
+    let mut text = String::new();
+    let side = |text: &mut String, what: &str, r: &TrafficReport| {
+        text.push_str(&format!(
+            "  {what}\n    largest delivery gap (switching time)  {:.1} ms, ended {} UTC\n    \
+             sent by the other side / received     {} / {}\n    \
+             lost / duplicated / reordered          {} / {} / {}\n    \
+             connections established               {}\n    \
+             errors seen                           {}\n",
+            r.max_gap_ms,
+            r.max_gap_end_time,
+            r.next_expected.saturating_sub(1),
+            r.received,
+            r.lost,
+            r.duplicated,
+            r.reordered,
+            r.connections_established,
+            if r.errors.is_empty() {
+                "none".to_string()
+            } else {
+                r.errors.join("; ")
+            },
+        ));
+    };
+    side(
+        &mut text,
+        "peer VM, receiving from the moving VM:",
+        &outcome.peer,
+    );
+    side(
+        &mut text,
+        "moving VM, receiving from the peer:",
+        &outcome.mover,
+    );
+    text
+}
+
+/// The coordinated and the naive outcome side by side.
+pub fn compare(coordinated: &ScenarioOutcome, naive: &ScenarioOutcome) -> String {
+    let row = |what: &str, f: &dyn Fn(&ScenarioOutcome) -> String| {
+        format!(
+            "| {what:<44} | {:>14} | {:>14} |\n",
+            f(coordinated),
+            f(naive)
+        )
+    };
+    let mut text = format!(
+        "| {:<44} | {:>14} | {:>14} |\n|{}|{}|{}|\n",
+        "",
+        "rdmamig",
+        "naive",
+        "-".repeat(46),
+        "-".repeat(16),
+        "-".repeat(16)
+    );
+    text += &row("switching time at the peer (largest gap, ms)", &|o| {
+        format!("{:.1}", o.peer.max_gap_ms)
+    });
+    text += &row("largest gap at the moving VM (ms)", &|o| {
+        format!("{:.1}", o.mover.max_gap_ms)
+    });
+    text += &row("messages lost (peer + moving VM)", &|o| {
+        (o.peer.lost + o.mover.lost).to_string()
+    });
+    text += &row("messages duplicated", &|o| {
+        (o.peer.duplicated + o.mover.duplicated).to_string()
+    });
+    text += &row("errors seen by the peer", &|o| {
+        o.peer.errors.len().to_string()
+    });
+    text += &row("move command wall time (ms)", &|o| {
+        (o.move_window_unix_ms.1 - o.move_window_unix_ms.0).to_string()
+    });
+    text
+}
