@@ -385,6 +385,10 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
                         }
                     },
                     Ok(None) => {}
+                    // A clean close by the peer (after its flush): the stream simply ends.
+                    Err(e) if e.contains("was closed by the peer") => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
                     Err(e) => {
                         errors.add(format!("recv: {e}"));
                         std::thread::sleep(Duration::from_millis(100));

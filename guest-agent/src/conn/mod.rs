@@ -197,7 +197,7 @@ pub enum ConnError {
 pub struct ConnStats {
     /// Times a QP was established (1 + reconnects).
     pub established: u64,
-    /// Messages re-sent after a reconnect.
+    /// Messages posted again on a new QP because the peer had not received them.
     pub replayed: u64,
     /// Duplicate messages dropped on receipt.
     pub duplicates_dropped: u64,
@@ -216,6 +216,8 @@ pub(crate) struct State {
     pub(crate) inbox: VecDeque<Vec<u8>>,
     /// Highest sequence number received.
     pub(crate) last_received: u64,
+    /// Highest sequence number ever posted on any QP (re-sends up to it are replays).
+    pub(crate) max_posted: u64,
     /// Why the connection failed, once it has.
     pub(crate) failure: Option<String>,
     /// The peer closed.
@@ -279,6 +281,7 @@ impl ConnShared {
                 next_seq: 1,
                 inbox: VecDeque::new(),
                 last_received: 0,
+                max_posted: 0,
                 failure: None,
                 peer_closed: false,
                 local: String::new(),

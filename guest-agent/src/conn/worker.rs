@@ -159,8 +159,6 @@ struct Link {
     posted_sends: u32,
     /// Highest DATA sequence number posted on this QP.
     posted_upto: u64,
-    /// Sequence numbers up to this were sent on an earlier QP (replays).
-    replay_upto: u64,
     last_ack_sent: u64,
     pause: Option<Pause>,
     /// When the peer's PAUSE arrived.
@@ -597,14 +595,12 @@ impl Worker {
         while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
             st.outbox.pop_front();
         }
-        let replay_upto = st.next_seq - 1;
         self.link = Some(Link {
             ep,
             credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
             free_slots: (0..send_slots).rev().collect(),
             posted_sends: 0,
             posted_upto: peer_last,
-            replay_upto,
             last_ack_sent: st.last_received,
             pause: None,
             peer_paused: None,
@@ -803,9 +799,10 @@ impl Worker {
                 break;
             }
             link.posted_upto = seq;
-            if seq <= link.replay_upto {
+            if seq <= st.max_posted {
                 st.stats.replayed += 1;
             }
+            st.max_posted = st.max_posted.max(seq);
         }
         let last_received = st.last_received;
         drop(st);

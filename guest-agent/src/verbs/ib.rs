@@ -57,6 +57,7 @@ impl ProtectionDomain {
         if ctx.is_null() {
             return Err(VerbsError::NoDevice);
         }
+        super::cm::remember_context(ctx);
         // SAFETY: `ctx` is the id's open device context (non-NULL, kept open by the id).
         let ptr = unsafe { ibv_alloc_pd(ctx) };
         let ptr =
