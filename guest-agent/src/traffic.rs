@@ -211,6 +211,9 @@ pub struct Report {
     pub max_gap_end_unix_ms: u64,
     /// `HH:MM:SS.mmm` UTC of the gap's end.
     pub max_gap_end_time: String,
+    /// When the last message was delivered (UNIX ms; 0 if none was): shows whether traffic
+    /// went on after a move.
+    pub last_delivery_unix_ms: u64,
     /// Errors the application saw (deduplicated, with counts).
     pub errors: Vec<String>,
     /// Link events the migratable connection recovered from by itself.
@@ -454,6 +457,7 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
         max_gap_start_unix_ms: gap_start,
         max_gap_end_unix_ms: gap_end,
         max_gap_end_time: time_of_day(gap_end),
+        last_delivery_unix_ms: t.last.map_or(0, |(_, ms)| ms),
         errors: errors.list(),
         link_events,
         connections_established: established,
