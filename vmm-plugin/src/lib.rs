@@ -1,1 +1,197 @@
-//! placeholder
+//! The VMM adapter: what a move needs from the hypervisor, behind one narrow trait.
+//!
+//! The migrator drives a move through [`Vmm`] only, so that a QEMU guest and (later) a
+//! Cloud Hypervisor guest move the same way. The trait is as small as the move: status,
+//! remove a device and wait until the guest released it, add a device, the two ends of a
+//! live migration, cancel, quit, and the host end of the guest-agent channel.
+//!
+//! Layout:
+//! - [`qmp`]: a QMP client (UNIX socket, commands with ids, events delivered to waiters);
+//! - [`qemu`]: the QEMU backend of [`Vmm`] built on it;
+//! - [`device`]: device descriptions (`driver=...,id=...` as an operator writes them);
+//! - [`migration`]: migration progress as the VMM reports it.
+//!
+//! Errors that callers act on are typed ([`VmmError`]): a device that is not there, a
+//! request the VMM refused (with its own words), a deadline that passed (naming the
+//! operation), and a VMM that went away.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub mod device;
+pub mod migration;
+pub mod qemu;
+pub mod qmp;
+
+pub use device::{DeviceSpec, DeviceSpecError};
+pub use migration::{MigrationProgress, MigrationStatus};
+pub use qemu::{QemuConfig, QemuVmm};
+
+/// A byte stream to the guest agent, whatever carries it (virtio-serial, hybrid vsock).
+pub trait AgentStream: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> AgentStream for T {}
+
+/// The run state of a VM as its VMM reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmStatus {
+    /// Whether the guest's vCPUs run.
+    pub running: bool,
+    /// The VMM's own name for the state (QEMU: `running`, `paused`, `prelaunch`,
+    /// `inmigrate`, `postmigrate`, ...).
+    pub state: String,
+}
+
+/// Called with every progress sample while a migration runs.
+pub type ProgressFn<'a> = &'a mut (dyn FnMut(&MigrationProgress) + Send);
+
+/// What a move needs from a VMM.
+///
+/// Every call that waits takes a deadline; none waits unbounded.
+#[async_trait]
+pub trait Vmm: Send + Sync {
+    /// The VM's run state.
+    async fn status(&self) -> Result<VmStatus, VmmError>;
+
+    /// Asks the guest to release device `id` and waits until the VMM reports it gone.
+    ///
+    /// Fails with [`VmmError::DeviceNotReleased`] when the guest still holds the device at
+    /// the deadline (for example a process keeps an RDMA context on it open).
+    async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError>;
+
+    /// Plugs a new device; returns its id.
+    async fn add_device(&self, device: &DeviceSpec) -> Result<String, VmmError>;
+
+    /// Readies this (destination) VMM to receive a migration at `uri`.
+    async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError>;
+
+    /// Starts sending this VM to `uri`; returns once the migration has started.
+    async fn send_migration(&self, uri: &str) -> Result<(), VmmError>;
+
+    /// Waits until the outgoing migration completes, calling `progress` with every sample.
+    ///
+    /// A migration that fails or is cancelled is an error carrying the VMM's reason.
+    async fn wait_migration(
+        &self,
+        deadline: Duration,
+        progress: ProgressFn<'_>,
+    ) -> Result<MigrationProgress, VmmError>;
+
+    /// Cancels the outgoing migration.
+    async fn cancel_migration(&self) -> Result<(), VmmError>;
+
+    /// Ends the VMM process.
+    async fn quit(&self) -> Result<(), VmmError>;
+
+    /// Opens the host end of the channel to the guest agent.
+    async fn open_agent_channel(&self) -> Result<Box<dyn AgentStream>, VmmError>;
+}
+
+/// Why a VMM operation failed.
+#[derive(Debug, Error)]
+pub enum VmmError {
+    /// Could not reach the VMM's control socket.
+    #[error("cannot connect to the VMM at {path}")]
+    Connect {
+        /// The control socket.
+        path: String,
+        /// What the connect said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The object named in a request does not exist in the VM.
+    #[error("{operation}: {object} not found ({message})")]
+    NotFound {
+        /// The operation.
+        operation: &'static str,
+        /// What was not found (a device id, ...).
+        object: String,
+        /// The VMM's words.
+        message: String,
+    },
+    /// The VMM refused a request.
+    #[error("{operation}: the VMM refused: {message} ({class})")]
+    Refused {
+        /// The operation.
+        operation: &'static str,
+        /// The VMM's error class (QEMU: `GenericError`, `CommandNotFound`, ...).
+        class: String,
+        /// The VMM's words.
+        message: String,
+    },
+    /// The guest did not release a device before the deadline.
+    #[error(
+        "the guest did not release device {device} within {deadline_ms} ms \
+         (a process in the guest may still hold it open)"
+    )]
+    DeviceNotReleased {
+        /// The device id.
+        device: String,
+        /// The deadline that passed.
+        deadline_ms: u64,
+    },
+    /// An operation did not finish before its deadline.
+    #[error("{operation} did not finish within {deadline_ms} ms")]
+    TimedOut {
+        /// The operation.
+        operation: &'static str,
+        /// The deadline that passed.
+        deadline_ms: u64,
+    },
+    /// The migration ended without completing.
+    #[error("migration {status}: {reason}")]
+    MigrationFailed {
+        /// `failed` or `cancelled`.
+        status: MigrationStatus,
+        /// The VMM's reason (QEMU's `error-desc`), or a note that it gave none.
+        reason: String,
+    },
+    /// The VMM closed its control socket (it exited or crashed).
+    #[error("{operation}: the VMM is gone (its control socket closed)")]
+    Gone {
+        /// The operation that found it gone.
+        operation: &'static str,
+    },
+    /// The VMM said something this adapter cannot make sense of.
+    #[error("{operation}: unexpected answer from the VMM: {reason}")]
+    Protocol {
+        /// The operation.
+        operation: &'static str,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// The exchange with the VMM broke in a way none of the kinds above describes.
+    #[error("{operation}: talking to the VMM failed")]
+    Transport {
+        /// The operation.
+        operation: &'static str,
+        /// The backend's own error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The VM was described without an agent channel.
+    #[error("no agent channel is configured for this VM")]
+    NoAgentChannel,
+    /// Could not open the channel to the guest agent.
+    #[error("cannot open the agent channel at {path}")]
+    AgentChannel {
+        /// The channel's socket.
+        path: String,
+        /// What the connect said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl VmmError {
+    /// Whether the error is a deadline that passed (the device or migration may still finish).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            VmmError::DeviceNotReleased { .. } | VmmError::TimedOut { .. }
+        )
+    }
+}

@@ -1,0 +1,199 @@
+//! Migration progress, as a VMM reports it while a live migration runs.
+//!
+//! QEMU answers `query-migrate` with a status and, once the migration is under way, times and
+//! RAM counters; fields appear as the migration advances, so every number is optional. The
+//! parse is kept apart from the socket so that it is tested on QEMU's own answers.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Where a migration stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum MigrationStatus {
+    /// No migration has been started.
+    None,
+    /// Connecting and setting up.
+    Setup,
+    /// Copying RAM while the guest runs.
+    Active,
+    /// Stop-and-copy of device state.
+    Device,
+    /// Done: the destination owns the VM.
+    Completed,
+    /// Ended with an error.
+    Failed,
+    /// Being cancelled.
+    Cancelling,
+    /// Cancelled by request.
+    Cancelled,
+    /// Any other status the VMM reports (postcopy, pre-switchover, wait-unplug, ...).
+    Other(String),
+}
+
+impl MigrationStatus {
+    fn parse(text: &str) -> MigrationStatus {
+        match text {
+            "none" => MigrationStatus::None,
+            "setup" => MigrationStatus::Setup,
+            "active" => MigrationStatus::Active,
+            "device" => MigrationStatus::Device,
+            "completed" => MigrationStatus::Completed,
+            "failed" => MigrationStatus::Failed,
+            "cancelling" => MigrationStatus::Cancelling,
+            "cancelled" => MigrationStatus::Cancelled,
+            other => MigrationStatus::Other(other.into()),
+        }
+    }
+
+    /// Whether the migration has ended (one way or the other).
+    pub fn is_final(&self) -> bool {
+        matches!(
+            self,
+            MigrationStatus::Completed | MigrationStatus::Failed | MigrationStatus::Cancelled
+        )
+    }
+}
+
+impl From<String> for MigrationStatus {
+    fn from(text: String) -> Self {
+        MigrationStatus::parse(&text)
+    }
+}
+
+impl From<MigrationStatus> for String {
+    fn from(status: MigrationStatus) -> Self {
+        status.to_string()
+    }
+}
+
+impl std::fmt::Display for MigrationStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = match self {
+            MigrationStatus::None => "none",
+            MigrationStatus::Setup => "setup",
+            MigrationStatus::Active => "active",
+            MigrationStatus::Device => "device",
+            MigrationStatus::Completed => "completed",
+            MigrationStatus::Failed => "failed",
+            MigrationStatus::Cancelling => "cancelling",
+            MigrationStatus::Cancelled => "cancelled",
+            MigrationStatus::Other(other) => other,
+        };
+        f.write_str(text)
+    }
+}
+
+/// One sample of a migration's progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigrationProgress {
+    /// Where it stands.
+    pub status: MigrationStatus,
+    /// Time since the migration started, in ms.
+    pub total_time_ms: Option<u64>,
+    /// Time to set up, in ms.
+    pub setup_time_ms: Option<u64>,
+    /// The guest's stop time (once completed) or the expected one (while active), in ms.
+    pub downtime_ms: Option<u64>,
+    /// RAM bytes sent so far.
+    pub ram_transferred: Option<u64>,
+    /// RAM bytes still to send.
+    pub ram_remaining: Option<u64>,
+    /// The guest's RAM size.
+    pub ram_total: Option<u64>,
+    /// Throughput, in Mbit/s.
+    pub mbps: Option<f64>,
+    /// Why the migration failed, when it did (QEMU's `error-desc`).
+    pub error: Option<String>,
+}
+
+impl MigrationProgress {
+    /// Reads a QEMU `query-migrate` answer. Returns `None` if it has no status string.
+    pub fn from_qemu(answer: &Value) -> Option<MigrationProgress> {
+        let status = MigrationStatus::parse(answer.get("status")?.as_str()?);
+        let number = |v: Option<&Value>| v.and_then(Value::as_u64);
+        let ram = answer.get("ram");
+        let ram_field = |name: &str| number(ram.and_then(|r| r.get(name)));
+        let downtime =
+            number(answer.get("downtime")).or_else(|| number(answer.get("expected-downtime")));
+        Some(MigrationProgress {
+            status,
+            total_time_ms: number(answer.get("total-time")),
+            setup_time_ms: number(answer.get("setup-time")),
+            downtime_ms: downtime,
+            ram_transferred: ram_field("transferred"),
+            ram_remaining: ram_field("remaining"),
+            ram_total: ram_field("total"),
+            mbps: ram.and_then(|r| r.get("mbps")).and_then(Value::as_f64),
+            error: answer
+                .get("error-desc")
+                .and_then(Value::as_str)
+                .map(String::from),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn reads_a_completed_answer() {
+        // As QEMU 7.2 answered on the test bed.
+        let answer = json!({"status": "completed", "setup-time": 0, "downtime": 2,
+            "total-time": 15, "ram": {"total": 134750208, "remaining": 0,
+            "mbps": 339.568, "transferred": 505019, "duplicate": 32847}});
+        let p = MigrationProgress::from_qemu(&answer).unwrap();
+        assert_eq!(p.status, MigrationStatus::Completed);
+        assert!(p.status.is_final());
+        assert_eq!(p.total_time_ms, Some(15));
+        assert_eq!(p.downtime_ms, Some(2));
+        assert_eq!(p.setup_time_ms, Some(0));
+        assert_eq!(p.ram_transferred, Some(505019));
+        assert_eq!(p.ram_remaining, Some(0));
+        assert_eq!(p.ram_total, Some(134750208));
+        assert_eq!(p.mbps, Some(339.568));
+        assert_eq!(p.error, None);
+    }
+
+    #[test]
+    fn reads_early_and_failed_answers() {
+        let p = MigrationProgress::from_qemu(&json!({"status": "setup"})).unwrap();
+        assert_eq!(p.status, MigrationStatus::Setup);
+        assert!(!p.status.is_final());
+        assert_eq!(p.total_time_ms, None);
+        let p = MigrationProgress::from_qemu(
+            &json!({"status": "failed", "error-desc": "Unable to write to socket: Broken pipe"}),
+        )
+        .unwrap();
+        assert_eq!(p.status, MigrationStatus::Failed);
+        assert_eq!(
+            p.error.as_deref(),
+            Some("Unable to write to socket: Broken pipe")
+        );
+        let p = MigrationProgress::from_qemu(
+            &json!({"status": "active", "expected-downtime": 300, "ram": {"transferred": 1}}),
+        )
+        .unwrap();
+        assert_eq!(p.downtime_ms, Some(300));
+        let p = MigrationProgress::from_qemu(&json!({"status": "postcopy-active"})).unwrap();
+        assert_eq!(p.status, MigrationStatus::Other("postcopy-active".into()));
+        assert_eq!(p.status.to_string(), "postcopy-active");
+        assert_eq!(
+            serde_json::to_value(&p.status).unwrap(),
+            json!("postcopy-active")
+        );
+        assert_eq!(
+            serde_json::from_value::<MigrationStatus>(json!("cancelled")).unwrap(),
+            MigrationStatus::Cancelled
+        );
+    }
+
+    #[test]
+    fn no_status_is_no_progress() {
+        assert_eq!(MigrationProgress::from_qemu(&json!({})), None);
+        assert_eq!(MigrationProgress::from_qemu(&json!({"status": 3})), None);
+        assert_eq!(MigrationProgress::from_qemu(&json!([])), None);
+    }
+}

@@ -1,0 +1,321 @@
+//! The QEMU backend of [`Vmm`]: QMP for control, a virtio-serial chardev socket for the agent.
+//!
+//! The mapping is direct: `query-status`, `device_del` + `DEVICE_DELETED`, `device_add`,
+//! `migrate-incoming`, `migrate`, `query-migrate` (polled), `migrate_cancel`, `quit`. QEMU's
+//! error classes are translated into [`VmmError`]'s kinds here and nowhere else.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use tokio::net::UnixStream;
+
+use crate::qmp::{QmpClient, QmpError};
+use crate::{AgentStream, DeviceSpec, MigrationProgress, MigrationStatus, ProgressFn, Vmm};
+use crate::{VmStatus, VmmError};
+
+/// How to reach one QEMU process.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// The QMP socket (`-qmp unix:PATH,server=on,wait=off`).
+    pub qmp: PathBuf,
+    /// The agent's virtio-serial chardev socket, if the VM has one.
+    pub agent: Option<PathBuf>,
+    /// Wait for the QMP greeting.
+    pub connect_timeout: Duration,
+    /// Wait for the answer to each QMP command.
+    pub answer_timeout: Duration,
+    /// Interval between two `query-migrate` samples.
+    pub poll_interval: Duration,
+}
+
+impl QemuConfig {
+    /// Defaults for a QEMU on this host: 5 s to greet, 10 s per answer, 50 ms polling.
+    pub fn new(qmp: impl Into<PathBuf>) -> QemuConfig {
+        QemuConfig {
+            qmp: qmp.into(),
+            agent: None,
+            connect_timeout: Duration::from_secs(5),
+            answer_timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(50),
+        }
+    }
+
+    /// Sets the agent channel's socket.
+    pub fn with_agent(mut self, agent: impl Into<PathBuf>) -> QemuConfig {
+        self.agent = Some(agent.into());
+        self
+    }
+}
+
+/// A QEMU process driven over QMP.
+#[derive(Debug)]
+pub struct QemuVmm {
+    qmp: QmpClient,
+    config: QemuConfig,
+}
+
+impl QemuVmm {
+    /// Connects to QEMU's QMP socket and negotiates capabilities.
+    pub async fn connect(config: QemuConfig) -> Result<QemuVmm, VmmError> {
+        let qmp = QmpClient::connect(&config.qmp, config.connect_timeout, config.answer_timeout)
+            .await
+            .map_err(|e| match e {
+                QmpError::Connect { path, source } => VmmError::Connect {
+                    path: path.display().to_string(),
+                    source,
+                },
+                other => vmm_error("connect", "", other),
+            })?;
+        Ok(QemuVmm { qmp, config })
+    }
+
+    /// The QMP session, for commands beyond the [`Vmm`] trait (tests, diagnostics).
+    pub fn qmp(&self) -> &QmpClient {
+        &self.qmp
+    }
+
+    async fn run(
+        &self,
+        operation: &'static str,
+        object: &str,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, VmmError> {
+        self.qmp
+            .execute(command, arguments)
+            .await
+            .map_err(|e| vmm_error(operation, object, e))
+    }
+
+    async fn query_migrate(&self) -> Result<MigrationProgress, VmmError> {
+        let answer = self
+            .run("query migration", "", "query-migrate", None)
+            .await?;
+        if answer.as_object().is_some_and(|o| o.is_empty()) {
+            return Ok(MigrationProgress::from_qemu(&json!({"status": "none"}))
+                .expect("a status string parses"));
+        }
+        MigrationProgress::from_qemu(&answer).ok_or_else(|| VmmError::Protocol {
+            operation: "query migration",
+            reason: format!("no status in {answer}"),
+        })
+    }
+}
+
+/// Translates a QMP failure into the kinds callers act on.
+fn vmm_error(operation: &'static str, object: &str, error: QmpError) -> VmmError {
+    match error {
+        QmpError::Command { class, desc, .. } if class == "DeviceNotFound" => VmmError::NotFound {
+            operation,
+            object: object.into(),
+            message: desc,
+        },
+        QmpError::Command { class, desc, .. } => VmmError::Refused {
+            operation,
+            class,
+            message: desc,
+        },
+        QmpError::NoAnswer { timeout_ms, .. } => VmmError::TimedOut {
+            operation,
+            deadline_ms: timeout_ms,
+        },
+        QmpError::Closed { .. } => VmmError::Gone { operation },
+        QmpError::Connect { path, source } => VmmError::Connect {
+            path: path.display().to_string(),
+            source,
+        },
+        other => VmmError::Transport {
+            operation,
+            source: Box::new(other),
+        },
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[async_trait]
+impl Vmm for QemuVmm {
+    async fn status(&self) -> Result<VmStatus, VmmError> {
+        let answer = self.run("query status", "", "query-status", None).await?;
+        let state = answer.get("status").and_then(Value::as_str);
+        let running = answer.get("running").and_then(Value::as_bool);
+        match (state, running) {
+            (Some(state), Some(running)) => Ok(VmStatus {
+                running,
+                state: state.into(),
+            }),
+            _ => Err(VmmError::Protocol {
+                operation: "query status",
+                reason: format!("no status/running in {answer}"),
+            }),
+        }
+    }
+
+    async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError> {
+        let start = Instant::now();
+        // Subscribe first: a device that goes at once (USB) is reported before the answer.
+        let mut events = self.qmp.subscribe();
+        self.run("remove device", id, "device_del", Some(json!({ "id": id })))
+            .await?;
+        let remaining = deadline.saturating_sub(start.elapsed());
+        let deleted = events
+            .wait_for(remaining, |event| {
+                event.name == "DEVICE_DELETED"
+                    && event.data.get("device").and_then(Value::as_str) == Some(id)
+            })
+            .await
+            .map_err(|e| vmm_error("remove device", id, e))?;
+        match deleted {
+            Some(_) => {
+                tracing::info!(
+                    device = id,
+                    elapsed_ms = millis(start.elapsed()),
+                    "device released"
+                );
+                Ok(())
+            }
+            None => Err(VmmError::DeviceNotReleased {
+                device: id.into(),
+                deadline_ms: millis(deadline),
+            }),
+        }
+    }
+
+    async fn add_device(&self, device: &DeviceSpec) -> Result<String, VmmError> {
+        let arguments = Value::Object(device.properties().clone());
+        self.run("add device", device.id(), "device_add", Some(arguments))
+            .await?;
+        Ok(device.id().to_string())
+    }
+
+    async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError> {
+        self.run(
+            "prepare incoming migration",
+            uri,
+            "migrate-incoming",
+            Some(json!({ "uri": uri })),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn send_migration(&self, uri: &str) -> Result<(), VmmError> {
+        self.run(
+            "send migration",
+            uri,
+            "migrate",
+            Some(json!({ "uri": uri })),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn wait_migration(
+        &self,
+        deadline: Duration,
+        progress: ProgressFn<'_>,
+    ) -> Result<MigrationProgress, VmmError> {
+        let end = Instant::now() + deadline;
+        loop {
+            let sample = self.query_migrate().await?;
+            progress(&sample);
+            match sample.status {
+                MigrationStatus::Completed => return Ok(sample),
+                MigrationStatus::Failed | MigrationStatus::Cancelled => {
+                    return Err(VmmError::MigrationFailed {
+                        reason: sample
+                            .error
+                            .unwrap_or_else(|| "QEMU gave no reason".to_string()),
+                        status: sample.status,
+                    })
+                }
+                MigrationStatus::None => {
+                    return Err(VmmError::Protocol {
+                        operation: "wait for migration",
+                        reason: "no migration is running".into(),
+                    })
+                }
+                _ => {}
+            }
+            if Instant::now() >= end {
+                return Err(VmmError::TimedOut {
+                    operation: "migration",
+                    deadline_ms: millis(deadline),
+                });
+            }
+            tokio::time::sleep(self.config.poll_interval.min(end - Instant::now())).await;
+        }
+    }
+
+    async fn cancel_migration(&self) -> Result<(), VmmError> {
+        self.run("cancel migration", "", "migrate_cancel", None)
+            .await
+            .map(drop)
+    }
+
+    async fn quit(&self) -> Result<(), VmmError> {
+        match self.run("quit", "", "quit", None).await {
+            // QEMU may close the socket before its answer reaches us.
+            Ok(_) | Err(VmmError::Gone { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        if self.qmp.wait_closed(self.config.answer_timeout).await {
+            Ok(())
+        } else {
+            Err(VmmError::TimedOut {
+                operation: "quit",
+                deadline_ms: millis(self.config.answer_timeout),
+            })
+        }
+    }
+
+    async fn open_agent_channel(&self) -> Result<Box<dyn AgentStream>, VmmError> {
+        let path = self.config.agent.as_ref().ok_or(VmmError::NoAgentChannel)?;
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|source| VmmError::AgentChannel {
+                path: path.display().to_string(),
+                source,
+            })?;
+        Ok(Box::new(stream))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qemu_error_classes_map_to_kinds() {
+        let command = |class: &str| QmpError::Command {
+            command: "device_del".into(),
+            class: class.into(),
+            desc: "Device 'nope' not found".into(),
+        };
+        assert!(matches!(
+            vmm_error("remove device", "nope", command("DeviceNotFound")),
+            VmmError::NotFound { object, .. } if object == "nope"
+        ));
+        assert!(matches!(
+            vmm_error("x", "", command("GenericError")),
+            VmmError::Refused { class, .. } if class == "GenericError"
+        ));
+        let closed = QmpError::Closed {
+            path: "/q".into(),
+            reason: "EOF".into(),
+        };
+        assert!(matches!(
+            vmm_error("quit", "", closed),
+            VmmError::Gone { operation: "quit" }
+        ));
+        let slow = QmpError::NoAnswer {
+            command: "query-status".into(),
+            timeout_ms: 10,
+        };
+        assert!(vmm_error("query status", "", slow).is_timeout());
+    }
+}
