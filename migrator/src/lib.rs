@@ -1,1 +1,21 @@
-//! placeholder
+//! The rdmamig host migrator: moves a VM whose RDMA NIC is a passthrough device to another
+//! VMM process while its RDMA connections survive.
+//!
+//! Layers, from the inside out:
+//! - [`machine`]: the move as one state machine (phases and the one transition function);
+//! - [`timeline`]: start/end timestamps and durations of every phase;
+//! - [`plan`]: what a move is asked to do (endpoints, devices, strategy, deadlines);
+//! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
+//! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent;
+//! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
+//! - [`daemon`]: the daemon that runs moves for local clients;
+//! - [`cli`]: how the CLI shows progress and the final timeline.
+
+pub mod agent;
+pub mod api;
+pub mod cli;
+pub mod daemon;
+pub mod machine;
+pub mod mover;
+pub mod plan;
+pub mod timeline;

@@ -1,0 +1,692 @@
+//! The host side of the guest-agent protocol: framed requests and answers over the agent
+//! channel the VMM opens.
+//!
+//! The guest is untrusted. Every answer is checked against the request it claims to answer:
+//! the id must match, the kind must fit the command, and an outcome may only name a
+//! connection the host itself listed. A bad answer is an error that says what was wrong; no
+//! answer can make the host panic or act on something it did not ask about. Each request has
+//! a deadline; an answer that arrives after its request was given up is recognised by its id
+//! and dropped.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rdmamig_proto::agent::{
+    AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
+};
+use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
+use rdmamig_vmm::AgentStream;
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Why an exchange with the guest agent failed.
+#[derive(Debug, Error)]
+pub enum AgentError {
+    /// Writing the request failed.
+    #[error("cannot send {request} to the guest agent")]
+    Send {
+        /// The request.
+        request: &'static str,
+        /// What write said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading the answer failed.
+    #[error("cannot read the guest agent's answer to {request}")]
+    Receive {
+        /// The request.
+        request: &'static str,
+        /// What read said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The channel closed before the answer.
+    #[error("the agent channel closed while waiting for the answer to {request}")]
+    Closed {
+        /// The request.
+        request: &'static str,
+    },
+    /// No answer before the deadline.
+    #[error("the guest agent did not answer {request} within {deadline_ms} ms")]
+    TimedOut {
+        /// The request.
+        request: &'static str,
+        /// The deadline.
+        deadline_ms: u64,
+    },
+    /// The bytes from the guest are not frames or not an answer.
+    #[error("the guest agent's answer to {request} is malformed")]
+    Malformed {
+        /// The request.
+        request: &'static str,
+        /// What the decoder said.
+        #[source]
+        source: FrameError,
+    },
+    /// An answer to a request that was never sent.
+    #[error(
+        "the guest agent answered request {got} while {request} (request {expected}) was pending"
+    )]
+    WrongId {
+        /// The request.
+        request: &'static str,
+        /// The id sent.
+        expected: u64,
+        /// The id answered.
+        got: u64,
+    },
+    /// An answer of the wrong kind.
+    #[error("the guest agent answered {request} with a {got} answer")]
+    UnexpectedAnswer {
+        /// The request.
+        request: &'static str,
+        /// The kind of answer received.
+        got: &'static str,
+    },
+    /// The agent reported that the command failed.
+    #[error("the guest agent could not {request}: {message}")]
+    Refused {
+        /// The request.
+        request: &'static str,
+        /// The agent's words.
+        message: String,
+    },
+    /// An answer named a connection the host did not list, or named one twice.
+    #[error("the guest agent's answer to {request} names connection {id:016x}, which {why}")]
+    UnknownConnection {
+        /// The request.
+        request: &'static str,
+        /// The connection.
+        id: ConnectionId,
+        /// `was not listed` or `appears twice`.
+        why: &'static str,
+    },
+}
+
+impl AgentError {
+    /// Whether the error is a deadline that passed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, AgentError::TimedOut { .. })
+    }
+}
+
+/// What a quiesce or resume reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcomes {
+    /// One entry per connection the agent touched (each one the host listed).
+    pub outcomes: Vec<ConnectionOutcome>,
+    /// The agent's own time, ms.
+    pub elapsed_ms: u64,
+}
+
+impl Outcomes {
+    /// The connections that failed.
+    pub fn failed(&self) -> impl Iterator<Item = &ConnectionOutcome> {
+        self.outcomes.iter().filter(|o| !o.ok)
+    }
+}
+
+/// A session with one guest agent.
+pub struct AgentClient {
+    stream: Box<dyn AgentStream>,
+    buffer: FrameBuffer,
+    next_id: u64,
+    /// Requests given up on; their late answers are dropped.
+    abandoned: HashSet<u64>,
+}
+
+impl AgentClient {
+    /// Wraps a connected agent channel.
+    pub fn new(stream: Box<dyn AgentStream>) -> AgentClient {
+        AgentClient {
+            stream,
+            buffer: FrameBuffer::new(),
+            next_id: 1,
+            abandoned: HashSet::new(),
+        }
+    }
+
+    /// Liveness check; returns the agent's version.
+    pub async fn ping(&mut self, deadline: Duration) -> Result<String, AgentError> {
+        match self.request(AgentCommand::Ping, deadline).await? {
+            AgentResult::Pong { version } => Ok(version),
+            other => Err(unexpected("ping", &other)),
+        }
+    }
+
+    /// Every migratable connection in the guest.
+    pub async fn list_connections(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<ConnectionInfo>, AgentError> {
+        const REQUEST: &str = "list connections";
+        match self
+            .request(AgentCommand::ListConnections, deadline)
+            .await?
+        {
+            AgentResult::Connections { connections } => {
+                let mut seen = HashSet::new();
+                for c in &connections {
+                    if !seen.insert(c.id) {
+                        return Err(AgentError::UnknownConnection {
+                            request: REQUEST,
+                            id: c.id,
+                            why: "appears twice",
+                        });
+                    }
+                }
+                Ok(connections)
+            }
+            other => Err(unexpected(REQUEST, &other)),
+        }
+    }
+
+    /// Quiesces every connection; `known` are the connections the host listed.
+    ///
+    /// The agent is given a little less than `deadline` so that its answer arrives in time.
+    pub async fn quiesce(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        let command = AgentCommand::Quiesce {
+            deadline_ms: agent_budget(deadline),
+        };
+        let answer = self.request(command, deadline).await?;
+        outcomes("quiesce", answer, known)
+    }
+
+    /// Resumes every connection on the new device; `known` as for [`AgentClient::quiesce`].
+    pub async fn resume(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        let command = AgentCommand::Resume {
+            deadline_ms: agent_budget(deadline),
+        };
+        let answer = self.request(command, deadline).await?;
+        outcomes("resume", answer, known)
+    }
+
+    async fn request(
+        &mut self,
+        command: AgentCommand,
+        deadline: Duration,
+    ) -> Result<AgentResult, AgentError> {
+        let name = command_name(&command);
+        let id = self.next_id;
+        self.next_id += 1;
+        let bytes = Frame::encode(&AgentRequest { id, command });
+        let exchange = async {
+            self.stream
+                .write_all(&bytes)
+                .await
+                .map_err(|source| AgentError::Send {
+                    request: name,
+                    source,
+                })?;
+            loop {
+                let response = self.read_response(name).await?;
+                if response.id == id {
+                    return Ok(response.result);
+                }
+                if !self.abandoned.remove(&response.id) {
+                    return Err(AgentError::WrongId {
+                        request: name,
+                        expected: id,
+                        got: response.id,
+                    });
+                }
+                tracing::debug!(id = response.id, "dropped a late agent answer");
+            }
+        };
+        match tokio::time::timeout(deadline, exchange).await {
+            Ok(Ok(AgentResult::Error { message })) => Err(AgentError::Refused {
+                request: name,
+                message,
+            }),
+            Ok(result) => result,
+            Err(_) => {
+                self.abandoned.insert(id);
+                Err(AgentError::TimedOut {
+                    request: name,
+                    deadline_ms: millis(deadline),
+                })
+            }
+        }
+    }
+
+    async fn read_response(&mut self, request: &'static str) -> Result<AgentResponse, AgentError> {
+        let mut chunk = [0u8; 4096];
+        loop {
+            match self.buffer.pop() {
+                Ok(frame) => {
+                    return frame
+                        .decode::<AgentResponse>()
+                        .map_err(|source| AgentError::Malformed { request, source })
+                }
+                Err(FrameError::Incomplete { .. }) => {}
+                Err(source) => return Err(AgentError::Malformed { request, source }),
+            }
+            let n = self
+                .stream
+                .read(&mut chunk)
+                .await
+                .map_err(|source| AgentError::Receive { request, source })?;
+            if n == 0 {
+                return Err(AgentError::Closed { request });
+            }
+            self.buffer.push(&chunk[..n]);
+        }
+    }
+}
+
+fn command_name(command: &AgentCommand) -> &'static str {
+    match command {
+        AgentCommand::Ping => "ping",
+        AgentCommand::ListConnections => "list connections",
+        AgentCommand::Quiesce { .. } => "quiesce",
+        AgentCommand::Resume { .. } => "resume",
+    }
+}
+
+fn result_kind(result: &AgentResult) -> &'static str {
+    match result {
+        AgentResult::Pong { .. } => "pong",
+        AgentResult::Connections { .. } => "connections",
+        AgentResult::Outcomes { .. } => "outcomes",
+        AgentResult::Error { .. } => "error",
+    }
+}
+
+fn unexpected(request: &'static str, got: &AgentResult) -> AgentError {
+    AgentError::UnexpectedAnswer {
+        request,
+        got: result_kind(got),
+    }
+}
+
+/// Checks an Outcomes answer against the connections the host listed.
+fn outcomes(
+    request: &'static str,
+    answer: AgentResult,
+    known: &[ConnectionId],
+) -> Result<Outcomes, AgentError> {
+    let AgentResult::Outcomes {
+        outcomes,
+        elapsed_ms,
+    } = answer
+    else {
+        return Err(unexpected(request, &answer));
+    };
+    let mut seen = HashSet::new();
+    for outcome in &outcomes {
+        if !known.contains(&outcome.id) {
+            return Err(AgentError::UnknownConnection {
+                request,
+                id: outcome.id,
+                why: "was not listed",
+            });
+        }
+        if !seen.insert(outcome.id) {
+            return Err(AgentError::UnknownConnection {
+                request,
+                id: outcome.id,
+                why: "appears twice",
+            });
+        }
+    }
+    Ok(Outcomes {
+        outcomes,
+        elapsed_ms,
+    })
+}
+
+/// The agent's share of a deadline: a tenth (at most half a second) is kept for the answer
+/// to travel back.
+fn agent_budget(deadline: Duration) -> u64 {
+    let margin = (deadline / 10).min(Duration::from_millis(500));
+    millis(deadline - margin)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The client against a scripted agent on the other end of an in-memory pipe: the logic
+    //! under test is the checking of untrusted answers.
+
+    use super::*;
+    use rdmamig_proto::agent::{ConnectionState, Role};
+    use tokio::io::{duplex, DuplexStream};
+
+    fn client() -> (AgentClient, DuplexStream) {
+        let (host, guest) = duplex(1 << 16);
+        (AgentClient::new(Box::new(host)), guest)
+    }
+
+    /// Reads one request from the guest end.
+    async fn read_request(guest: &mut DuplexStream) -> AgentRequest {
+        let mut fb = FrameBuffer::new();
+        let mut chunk = [0u8; 1024];
+        loop {
+            if let Ok(frame) = fb.pop() {
+                return frame.decode().unwrap();
+            }
+            let n = guest.read(&mut chunk).await.unwrap();
+            fb.push(&chunk[..n]);
+        }
+    }
+
+    async fn answer(guest: &mut DuplexStream, id: u64, result: AgentResult) {
+        let bytes = Frame::encode(&AgentResponse { id, result });
+        guest.write_all(&bytes).await.unwrap();
+    }
+
+    fn info(id: ConnectionId) -> ConnectionInfo {
+        ConnectionInfo {
+            id,
+            pid: 1,
+            role: Role::Active,
+            local: "10.77.0.11:1".into(),
+            peer: "10.77.0.12:2".into(),
+            state: ConnectionState::Established,
+            last_sent: 0,
+            last_received: 0,
+            unacked: 0,
+        }
+    }
+
+    fn ok(id: ConnectionId) -> ConnectionOutcome {
+        ConnectionOutcome {
+            id,
+            ok: true,
+            elapsed_ms: 1,
+            error: None,
+        }
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[tokio::test]
+    async fn ping_list_quiesce_resume() {
+        let (mut host, mut guest) = client();
+        let agent = tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            assert_eq!(req.command, AgentCommand::Ping);
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Pong {
+                    version: "0.1.0".into(),
+                },
+            )
+            .await;
+            let req = read_request(&mut guest).await;
+            let connections = vec![info(7), info(9)];
+            answer(&mut guest, req.id, AgentResult::Connections { connections }).await;
+            let req = read_request(&mut guest).await;
+            assert!(matches!(
+                req.command,
+                AgentCommand::Quiesce { deadline_ms: 900 }
+            ));
+            let outcomes = vec![ok(7), ok(9)];
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Outcomes {
+                    outcomes,
+                    elapsed_ms: 3,
+                },
+            )
+            .await;
+            let req = read_request(&mut guest).await;
+            let mut failed = ok(9);
+            failed.ok = false;
+            failed.error = Some("peer gone".into());
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Outcomes {
+                    outcomes: vec![ok(7), failed],
+                    elapsed_ms: 4,
+                },
+            )
+            .await;
+        });
+        assert_eq!(host.ping(SECOND).await.unwrap(), "0.1.0");
+        let ids: Vec<_> = host
+            .list_connections(SECOND)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.id)
+            .collect();
+        assert_eq!(ids, [7, 9]);
+        let q = host.quiesce(&ids, SECOND).await.unwrap();
+        assert_eq!(
+            (q.outcomes.len(), q.elapsed_ms, q.failed().count()),
+            (2, 3, 0)
+        );
+        let r = host.resume(&ids, SECOND).await.unwrap();
+        assert_eq!(r.failed().map(|o| o.id).collect::<Vec<_>>(), [9]);
+        agent.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_unlisted_connection_is_rejected() {
+        let (mut host, mut guest) = client();
+        tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Outcomes {
+                    outcomes: vec![ok(7), ok(666)],
+                    elapsed_ms: 1,
+                },
+            )
+            .await;
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Outcomes {
+                    outcomes: vec![ok(7), ok(7)],
+                    elapsed_ms: 1,
+                },
+            )
+            .await;
+        });
+        let err = host.quiesce(&[7], SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::UnknownConnection {
+                    id: 666,
+                    why: "was not listed",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("000000000000029a"));
+        let err = host.resume(&[7], SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::UnknownConnection {
+                    id: 7,
+                    why: "appears twice",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn wrong_ids_kinds_and_errors_are_typed() {
+        let (mut host, mut guest) = client();
+        tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id + 40,
+                AgentResult::Pong {
+                    version: "x".into(),
+                },
+            )
+            .await;
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Pong {
+                    version: "x".into(),
+                },
+            )
+            .await;
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Error {
+                    message: "no RDMA device".into(),
+                },
+            )
+            .await;
+        });
+        let err = host.ping(SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::WrongId {
+                    expected: 1,
+                    got: 41,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = host.list_connections(SECOND).await.unwrap_err();
+        assert!(
+            matches!(err, AgentError::UnexpectedAnswer { got: "pong", .. }),
+            "{err}"
+        );
+        let err = host.resume(&[], SECOND).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the guest agent could not resume: no RDMA device"
+        );
+    }
+
+    #[tokio::test]
+    async fn garbage_and_oversized_frames_are_errors_not_panics() {
+        let (mut host, mut guest) = client();
+        guest.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+        let err = host.ping(SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::Malformed {
+                    source: FrameError::BadMagic { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+
+        let (mut host, mut guest) = client();
+        let mut header = b"RMG".to_vec();
+        header.push(rdmamig_proto::PROTOCOL_VERSION);
+        header.extend_from_slice(&u32::MAX.to_be_bytes());
+        guest.write_all(&header).await.unwrap();
+        let err = host.ping(SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::Malformed {
+                    source: FrameError::TooLarge { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+
+        let (mut host, mut guest) = client();
+        let mut frame = b"RMG".to_vec();
+        frame.push(rdmamig_proto::PROTOCOL_VERSION);
+        frame.extend_from_slice(&9u32.to_be_bytes());
+        frame.extend_from_slice(br#"{"id":1}}"#);
+        guest.write_all(&frame).await.unwrap();
+        let err = host.ping(SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::Malformed {
+                    source: FrameError::Malformed { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+
+        let (mut host, guest) = client();
+        drop(guest);
+        assert!(matches!(
+            host.ping(SECOND).await.unwrap_err(),
+            AgentError::Send { .. } | AgentError::Closed { .. }
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_agent_times_out_and_its_late_answer_is_dropped() {
+        let (mut host, mut guest) = client();
+        let err = host.ping(Duration::from_millis(300)).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::TimedOut {
+                    request: "ping",
+                    deadline_ms: 300
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.is_timeout());
+        let late = read_request(&mut guest).await;
+        answer(
+            &mut guest,
+            late.id,
+            AgentResult::Pong {
+                version: "late".into(),
+            },
+        )
+        .await;
+        let agent = tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Pong {
+                    version: "fresh".into(),
+                },
+            )
+            .await;
+            guest
+        });
+        assert_eq!(host.ping(SECOND).await.unwrap(), "fresh");
+        drop(agent.await.unwrap());
+    }
+
+    #[test]
+    fn the_agent_gets_most_of_the_deadline() {
+        assert_eq!(agent_budget(Duration::from_millis(1000)), 900);
+        assert_eq!(agent_budget(Duration::from_secs(30)), 29_500);
+        assert_eq!(agent_budget(Duration::ZERO), 0);
+    }
+}

@@ -1,0 +1,354 @@
+//! The client side of `rdmamig migrate`: send the plan to the daemon, show progress as it
+//! comes, then the timeline, and hand back the report.
+//!
+//! Rendering is kept in pure functions so that the operator's view is tested without a
+//! daemon.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+use thiserror::Error;
+use tokio::net::UnixStream;
+
+use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage};
+use crate::mover::{MoveEvent, MoveReport, VmLocation};
+use crate::plan::MovePlan;
+use crate::timeline::PhaseOutcome;
+
+/// Why the CLI could not get a move done (as opposed to a move that ran and failed).
+#[derive(Debug, Error)]
+pub enum CliError {
+    /// The daemon's socket cannot be reached.
+    #[error("cannot reach the rdmamig daemon at {socket} (is `rdmamig daemon --socket {socket}` running?)")]
+    Connect {
+        /// The socket.
+        socket: PathBuf,
+        /// What connect said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Talking to the daemon failed.
+    #[error("talking to the rdmamig daemon failed")]
+    Api(#[from] ApiError),
+    /// The daemon refused the request.
+    #[error("the rdmamig daemon refused the move: {reason}")]
+    Rejected {
+        /// Its reason.
+        reason: String,
+    },
+    /// The daemon closed the connection before the report.
+    #[error("the rdmamig daemon closed the connection before the final report (see its log)")]
+    NoReport,
+    /// The report file could not be written.
+    #[error("cannot write the report to {path}")]
+    WriteReport {
+        /// The file.
+        path: PathBuf,
+        /// What write said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How to show progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Lines and a table for people.
+    Text,
+    /// One JSON object per event, then the report, one per line.
+    Json,
+}
+
+/// Sends `plan` to the daemon at `socket`, prints progress to stdout, writes the report to
+/// `report_path` if given, and returns the report.
+pub async fn migrate(
+    socket: &Path,
+    plan: MovePlan,
+    output: Output,
+    report_path: Option<&Path>,
+) -> Result<MoveReport, CliError> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| CliError::Connect {
+            socket: socket.into(),
+            source,
+        })?;
+    let mut channel = Channel::new(stream);
+    channel.send(&ClientRequest::Migrate { plan }).await?;
+    let report = loop {
+        match channel.receive::<DaemonMessage>().await? {
+            Some(DaemonMessage::Event { event }) => match output {
+                Output::Text => println!("{}", render_event(&event)),
+                Output::Json => println!("{}", to_json(&event)),
+            },
+            Some(DaemonMessage::Report { report }) => break *report,
+            Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
+            None => return Err(CliError::NoReport),
+        }
+    };
+    match output {
+        Output::Text => print!("{}", render_report(&report)),
+        Output::Json => println!("{}", to_json(&report)),
+    }
+    if let Some(path) = report_path {
+        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+        std::fs::write(path, text + "\n").map_err(|source| CliError::WriteReport {
+            path: path.into(),
+            source,
+        })?;
+    }
+    Ok(report)
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// One progress line.
+pub fn render_event(event: &MoveEvent) -> String {
+    match event {
+        MoveEvent::PhaseStarted {
+            phase,
+            at_ms,
+            deadline_ms,
+            ..
+        } => format!("[{at_ms:>6} ms] {phase:<8} started (deadline {deadline_ms} ms)"),
+        MoveEvent::PhaseEnded { at_ms, record } => {
+            let phase = record.phase;
+            match &record.outcome {
+                PhaseOutcome::Ok => format!(
+                    "[{at_ms:>6} ms] {phase:<8} ok in {} ms{}",
+                    record.duration_ms,
+                    match render_details(&record.details) {
+                        d if d.is_empty() => String::new(),
+                        d => format!(" ({d})"),
+                    }
+                ),
+                PhaseOutcome::Skipped { reason } => {
+                    format!("[{at_ms:>6} ms] {phase:<8} skipped: {reason}")
+                }
+                PhaseOutcome::Failed { error } => format!(
+                    "[{at_ms:>6} ms] {phase:<8} FAILED after {} ms: {error}",
+                    record.duration_ms
+                ),
+            }
+        }
+        MoveEvent::Migration { at_ms, progress } => {
+            let mut line = format!("[{at_ms:>6} ms] migrate  {}", progress.status);
+            if let Some(sent) = progress.ram_transferred {
+                let _ = write!(line, ": {} sent", mib(sent));
+            }
+            if let Some(left) = progress.ram_remaining.filter(|left| *left > 0) {
+                let _ = write!(line, ", {} left", mib(left));
+            }
+            if let Some(total) = progress.total_time_ms {
+                let _ = write!(line, ", {total} ms");
+            }
+            if let Some(down) = progress.downtime_ms {
+                let _ = write!(line, ", downtime {down} ms");
+            }
+            if let Some(error) = &progress.error {
+                let _ = write!(line, ": {error}");
+            }
+            line
+        }
+        MoveEvent::Warning { at_ms, message } => format!("[{at_ms:>6} ms] warning: {message}"),
+    }
+}
+
+/// The timeline table and the verdict.
+pub fn render_report(report: &MoveReport) -> String {
+    let start = report.timeline.started_unix_ms;
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "\nmove of {} ({} strategy), timeline:",
+        report.plan.vm, report.plan.strategy
+    );
+    let _ = writeln!(
+        text,
+        "  {:<8} {:>9} {:>11} {:>10}  {:<8} details",
+        "phase", "start", "duration", "deadline", "result"
+    );
+    for record in &report.timeline.phases {
+        let result = match &record.outcome {
+            PhaseOutcome::Ok => "ok",
+            PhaseOutcome::Skipped { .. } => "skipped",
+            PhaseOutcome::Failed { .. } => "FAILED",
+        };
+        let line = format!(
+            "  {:<8} {:>9} {:>11} {:>10}  {:<8} {}",
+            record.phase.name(),
+            format!("+{} ms", record.started_unix_ms.saturating_sub(start)),
+            format!("{} ms", record.duration_ms),
+            format!("{} ms", record.deadline_ms),
+            result,
+            render_details(&record.details)
+        );
+        let _ = writeln!(text, "{}", line.trim_end());
+    }
+    let _ = writeln!(
+        text,
+        "  {:<8} {:>9} {:>11}",
+        "total",
+        "",
+        format!("{} ms", report.timeline.total_ms)
+    );
+    let location = match report.vm_location {
+        VmLocation::Source => "the VM is on the source",
+        VmLocation::Destination => "the VM is on the destination",
+    };
+    match &report.error {
+        None => {
+            let _ = writeln!(
+                text,
+                "move done in {} ms; {location}",
+                report.timeline.total_ms
+            );
+        }
+        Some(error) => {
+            let _ = writeln!(text, "move FAILED: {error}; {location}");
+        }
+    }
+    text
+}
+
+fn render_details(details: &Map<String, Value>) -> String {
+    details
+        .iter()
+        .map(|(key, value)| match value {
+            Value::String(s) => format!("{key}={s}"),
+            other => format!("{key}={other}"),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn mib(bytes: u64) -> String {
+    // Display only: precision loss above 2^52 bytes does not matter.
+    #[allow(clippy::cast_precision_loss)]
+    let value = bytes as f64 / (1024.0 * 1024.0);
+    format!("{value:.1} MiB")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::Phase;
+    use crate::plan::{Deadlines, Endpoint, Strategy};
+    use crate::timeline::{PhaseRecord, Timeline};
+    use rdmamig_vmm::{DeviceSpec, MigrationProgress, MigrationStatus};
+
+    fn record(phase: Phase, start: u64, duration: u64, outcome: PhaseOutcome) -> PhaseRecord {
+        let mut details = Map::new();
+        if phase == Phase::Detach {
+            details.insert("device".into(), "nic0".into());
+        }
+        PhaseRecord {
+            phase,
+            started_unix_ms: 1000 + start,
+            ended_unix_ms: 1000 + start + duration,
+            duration_ms: duration,
+            deadline_ms: 5000,
+            outcome,
+            details,
+        }
+    }
+
+    #[test]
+    fn progress_lines() {
+        let started = MoveEvent::PhaseStarted {
+            phase: Phase::Detach,
+            unix_ms: 1,
+            at_ms: 12,
+            deadline_ms: 5000,
+        };
+        assert_eq!(
+            render_event(&started),
+            "[    12 ms] detach   started (deadline 5000 ms)"
+        );
+        let ended = MoveEvent::PhaseEnded {
+            at_ms: 140,
+            record: record(Phase::Detach, 12, 128, PhaseOutcome::Ok),
+        };
+        assert_eq!(
+            render_event(&ended),
+            "[   140 ms] detach   ok in 128 ms (device=nic0)"
+        );
+        let progress = MoveEvent::Migration {
+            at_ms: 300,
+            progress: MigrationProgress {
+                status: MigrationStatus::Active,
+                total_time_ms: Some(100),
+                setup_time_ms: None,
+                downtime_ms: None,
+                ram_transferred: Some(3 << 20),
+                ram_remaining: Some(1 << 20),
+                ram_total: None,
+                mbps: None,
+                error: None,
+            },
+        };
+        assert_eq!(
+            render_event(&progress),
+            "[   300 ms] migrate  active: 3.0 MiB sent, 1.0 MiB left, 100 ms"
+        );
+    }
+
+    #[test]
+    fn the_table_has_every_phase_and_the_total() {
+        let report = MoveReport {
+            plan: MovePlan {
+                vm: "vm1".into(),
+                source: Endpoint {
+                    qmp: "/s".into(),
+                    agent: None,
+                },
+                destination: Endpoint {
+                    qmp: "/d".into(),
+                    agent: None,
+                },
+                detach: "nic0".into(),
+                attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
+                via: "unix:/m".into(),
+                strategy: Strategy::Naive,
+                deadlines: Deadlines::default(),
+            },
+            ok: false,
+            final_phase: Phase::Failed,
+            failed_phase: Some(Phase::Detach),
+            error: Some("phase detach missed its deadline of 5000 ms: the guest did not release device nic0".into()),
+            vm_location: VmLocation::Source,
+            timeline: Timeline {
+                started_unix_ms: 1000,
+                ended_unix_ms: 6100,
+                total_ms: 5100,
+                phases: vec![
+                    record(Phase::Prepare, 0, 20, PhaseOutcome::Ok),
+                    record(Phase::Quiesce, 20, 0, PhaseOutcome::Skipped { reason: "naive".into() }),
+                    record(Phase::Detach, 20, 5001, PhaseOutcome::Failed { error: "x".into() }),
+                ],
+            },
+            connections: vec![],
+            quiesce: vec![],
+            resume: vec![],
+            migration: None,
+        };
+        let text = render_report(&report);
+        assert!(
+            text.contains("  prepare      +0 ms       20 ms    5000 ms  ok\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  quiesce     +20 ms        0 ms    5000 ms  skipped\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  detach      +20 ms     5001 ms    5000 ms  FAILED   device=nic0\n"),
+            "{text}"
+        );
+        assert!(text.contains("  total                  5100 ms\n"), "{text}");
+        assert!(text.contains("move FAILED: phase detach missed its deadline of 5000 ms: the guest did not release device nic0; the VM is on the source"), "{text}");
+    }
+}

@@ -1,0 +1,194 @@
+//! `rdmamig`: the daemon that moves VMs with passthrough RDMA NICs, and the command that asks
+//! it to.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use rdmamig_migrator::cli::{self, Output};
+use rdmamig_migrator::mover::error_chain;
+use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
+use rdmamig_vmm::DeviceSpec;
+
+/// The daemon socket when none is given.
+const DEFAULT_SOCKET: &str = "/run/rdmamig/rdmamig.sock";
+
+#[derive(Parser)]
+#[command(
+    name = "rdmamig",
+    version,
+    about = "Keep RDMA connections alive while a VM with a passthrough RDMA NIC live-migrates",
+    long_about = "Keep RDMA connections alive while a VM with a passthrough RDMA NIC live-migrates.\n\n\
+A move: prepare (both VMMs ready, the guest agent lists the connections), quiesce (the agent \
+pauses every connection and releases the NIC), detach (hot-unplug, the guest acknowledges), \
+migrate (live migration to the destination VMM), attach (hot-plug a NIC on the destination), \
+resume (the agent reconnects every connection). Every phase has a deadline.\n\n\
+Start the daemon once per host, then ask it for moves:\n\n  \
+rdmamig daemon --socket /run/rdmamig/rdmamig.sock\n  \
+rdmamig migrate --socket /run/rdmamig/rdmamig.sock --vm vm1 \\\n    \
+--qmp /run/vm1/qmp.sock --agent /run/vm1/agent.sock --detach nic0 \\\n    \
+--to-qmp /run/vm1-dst/qmp.sock --to-agent /run/vm1-dst/agent.sock \\\n    \
+--attach 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11' \\\n    \
+--via unix:/run/vm1-dst/mig.sock --report move.json"
+)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon: listen on a UNIX socket (mode 0600) and run moves for root and the
+    /// daemon's own user.
+    Daemon {
+        /// The socket to listen on.
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Move a VM to another VMM process, keeping its RDMA connections.
+    #[command(
+        long_about = "Move a VM to another VMM process, keeping its RDMA connections.\n\n\
+The destination VMM must already run with the VM's configuration minus the detached NIC and \
+`-incoming defer` (QEMU). Progress is printed as it happens, then the timeline with every \
+phase's duration. Exit status: 0 when the move is done, 1 when it failed (the message says \
+which phase, why, and where the VM is), 2 for usage errors, 3 when the daemon could not be \
+asked.\n\n\
+Baseline without the guest agent (what operators do today):\n  \
+rdmamig migrate --vm vm1 --qmp src/qmp.sock --detach nic0 --to-qmp dst/qmp.sock \\\n    \
+--attach driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1 --via unix:dst/mig.sock \\\n    \
+--strategy naive\n\n\
+Tighter deadlines for the unplug and the migration:\n  \
+... --deadline detach=2000 --deadline migrate=30000"
+    )]
+    Migrate(Box<MigrateArgs>),
+}
+
+#[derive(clap::Args)]
+struct MigrateArgs {
+    /// The daemon's socket.
+    #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// The VM's name (used in messages and the report).
+    #[arg(long)]
+    vm: String,
+    /// The source QEMU's QMP socket.
+    #[arg(long)]
+    qmp: PathBuf,
+    /// The source VM's agent socket (virtio-serial chardev); needed by `reconnect`.
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// The id of the device to unplug on the source (the RDMA NIC).
+    #[arg(long)]
+    detach: String,
+    /// The destination QEMU's QMP socket (started with -incoming defer).
+    #[arg(long)]
+    to_qmp: PathBuf,
+    /// The destination VM's agent socket; needed by `reconnect`.
+    #[arg(long)]
+    to_agent: Option<PathBuf>,
+    /// The device to plug on the destination, as QEMU device_add properties:
+    /// 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11'.
+    #[arg(long)]
+    attach: DeviceSpec,
+    /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
+    #[arg(long)]
+    via: String,
+    /// reconnect: quiesce and resume every connection through the guest agent;
+    /// naive: unplug, migrate, plug, nothing else.
+    #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
+    strategy: Strategy,
+    /// A phase deadline, phase=ms (repeatable). Defaults: prepare=10000 quiesce=10000
+    /// detach=5000 migrate=60000 attach=5000 resume=20000.
+    #[arg(long = "deadline", value_name = "PHASE=MS")]
+    deadlines: Vec<String>,
+    /// Write the JSON report (timeline, migration figures, per-connection outcomes) here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Print events and the report as JSON lines instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("rdmamig: cannot start the async runtime: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    match args.command {
+        Command::Daemon { socket } => {
+            match runtime.block_on(rdmamig_migrator::daemon::serve(&socket)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rdmamig daemon: {}", error_chain(&e));
+                    ExitCode::from(3)
+                }
+            }
+        }
+        Command::Migrate(args) => migrate(&runtime, *args),
+    }
+}
+
+fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
+    let mut deadlines = Deadlines::default();
+    for item in &args.deadlines {
+        if let Err(e) = deadlines.set(item) {
+            eprintln!("rdmamig migrate: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let plan = MovePlan {
+        vm: args.vm,
+        source: Endpoint {
+            qmp: args.qmp,
+            agent: args.agent,
+        },
+        destination: Endpoint {
+            qmp: args.to_qmp,
+            agent: args.to_agent,
+        },
+        detach: args.detach,
+        attach: args.attach,
+        via: args.via,
+        strategy: args.strategy,
+        deadlines,
+    };
+    if let Err(e) = plan.validate() {
+        eprintln!("rdmamig migrate: {e}");
+        return ExitCode::from(2);
+    }
+    let output = if args.json {
+        Output::Json
+    } else {
+        Output::Text
+    };
+    match runtime.block_on(cli::migrate(
+        &args.socket,
+        plan,
+        output,
+        args.report.as_deref(),
+    )) {
+        Ok(report) if report.ok => ExitCode::SUCCESS,
+        Ok(report) => {
+            eprintln!(
+                "rdmamig migrate: {}",
+                report.error.as_deref().unwrap_or("the move failed")
+            );
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("rdmamig migrate: {}", error_chain(&e));
+            ExitCode::from(3)
+        }
+    }
+}
