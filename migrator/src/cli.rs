@@ -348,7 +348,10 @@ mod tests {
             text.contains("  detach      +20 ms     5001 ms    5000 ms  FAILED   device=nic0\n"),
             "{text}"
         );
-        assert!(text.contains("  total                  5100 ms\n"), "{text}");
+        assert!(
+            text.contains("  total                  5100 ms\n"),
+            "{text}"
+        );
         assert!(text.contains("move FAILED: phase detach missed its deadline of 5000 ms: the guest did not release device nic0; the VM is on the source"), "{text}");
     }
 }

@@ -595,6 +595,12 @@ async fn ping(agent: &mut AgentClient, budget: Duration) -> Result<String, Agent
             Err(e) if e.is_timeout() && Instant::now() < end => {
                 tracing::debug!("agent ping timed out; retrying");
             }
+            Err(e) if e.is_timeout() => {
+                return Err(AgentError::TimedOut {
+                    request: "ping",
+                    deadline_ms: millis(budget),
+                })
+            }
             other => return other,
         }
     }

@@ -1,0 +1,376 @@
+//! `rdmamig daemon` and `rdmamig migrate` end to end against real QEMU processes (TCG, no
+//! guest kernel: SeaBIOS runs and finds nothing to boot).
+//!
+//! Without a guest, the `naive` strategy runs all the way when the detached device is one
+//! QEMU unplugs on its own (a USB keyboard); a PCIe NIC is never released without a guest,
+//! which is how a guest that keeps the device busy looks from the host. The `reconnect`
+//! strategy needs the guest agent; here it can only show that a silent agent fails the move
+//! at prepare, before anything was unplugged. The full `reconnect` move with a booted guest
+//! runs on the test bed (tests/).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BASE: &[&str] = &[
+    "-accel",
+    "tcg",
+    "-machine",
+    "q35",
+    "-m",
+    "128",
+    "-nodefaults",
+    "-no-user-config",
+    "-display",
+    "none",
+    "-device",
+    "pcie-root-port,id=rp1,slot=1,chassis=1",
+    "-device",
+    "qemu-xhci,id=xhci",
+    "-netdev",
+    "hubport,id=nd0,hubid=0",
+    "-device",
+    "virtio-serial-pci,id=vser0",
+];
+
+/// A child process killed on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_file(path: &Path) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !path.exists() {
+        assert!(Instant::now() < end, "{} did not appear", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One VM's QEMU process with its sockets in `dir/name/`.
+struct Vm {
+    dir: PathBuf,
+    _process: Process,
+}
+
+impl Vm {
+    fn start(root: &Path, name: &str, extra: &[&str]) -> Vm {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = Command::new("qemu-system-x86_64")
+            .args(BASE)
+            .arg("-qmp")
+            .arg(format!(
+                "unix:{},server=on,wait=off",
+                dir.join("qmp.sock").display()
+            ))
+            .arg("-chardev")
+            .arg(format!(
+                "socket,id=ch0,path={},server=on,wait=off",
+                dir.join("agent.sock").display()
+            ))
+            .args([
+                "-device",
+                "virtserialport,chardev=ch0,name=org.rdmamig.agent.0,bus=vser0.0",
+            ])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("qemu-system-x86_64 runs");
+        let vm = Vm {
+            dir,
+            _process: Process(child),
+        };
+        wait_for_file(&vm.qmp());
+        vm
+    }
+
+    fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+
+    fn agent(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+}
+
+/// A daemon, a source VM and a destination VM in one temporary directory.
+struct Bed {
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    _daemon: Process,
+    source: Vm,
+    destination: Vm,
+}
+
+impl Bed {
+    fn start(source_extra: &[&str]) -> Bed {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("rdmamig.sock");
+        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+        let daemon = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+            .args(["daemon", "--socket"])
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let daemon = Process(daemon);
+        let source = Vm::start(dir.path(), "src", source_extra);
+        let destination = Vm::start(dir.path(), "dst", &["-incoming", "defer"]);
+        wait_for_file(&socket);
+        Bed {
+            dir,
+            socket,
+            _daemon: daemon,
+            source,
+            destination,
+        }
+    }
+
+    fn report_path(&self) -> PathBuf {
+        self.dir.path().join("report.json")
+    }
+
+    /// `rdmamig migrate` with the bed's sockets plus `args`.
+    fn migrate(&self, detach: &str, args: &[&str]) -> Output {
+        let output = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+            .arg("migrate")
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(["--vm", "vm1", "--qmp"])
+            .arg(self.source.qmp())
+            .arg("--agent")
+            .arg(self.source.agent())
+            .args(["--detach", detach, "--to-qmp"])
+            .arg(self.destination.qmp())
+            .arg("--to-agent")
+            .arg(self.destination.agent())
+            .args([
+                "--attach",
+                "driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:21",
+            ])
+            .arg("--via")
+            .arg(format!(
+                "unix:{}",
+                self.dir.path().join("mig.sock").display()
+            ))
+            .arg("--report")
+            .arg(self.report_path())
+            .args(args)
+            .output()
+            .unwrap();
+        eprintln!(
+            "stdout:\n{}\nstderr:\n{}\ndaemon log:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+            std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+        );
+        output
+    }
+
+    fn report(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.report_path()).unwrap()).unwrap()
+    }
+}
+
+/// One QMP command on a fresh connection (the daemon has let go of the monitor by then).
+fn qmp(socket: &Path, command: &str, arguments: Value) -> Value {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    let mut request = serde_json::json!({ "execute": command });
+    if !arguments.is_null() {
+        request["arguments"] = arguments;
+    }
+    for message in [serde_json::json!({"execute": "qmp_capabilities"}), request] {
+        writeln!(writer, "{message}").unwrap();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            let answer: Value = serde_json::from_str(&line).unwrap();
+            if answer.get("return").is_some() || answer.get("error").is_some() {
+                if message["execute"] == command {
+                    return answer;
+                }
+                break;
+            }
+        }
+    }
+    unreachable!("the loop returns the command's answer")
+}
+
+#[test]
+fn naive_move_runs_every_phase_and_reports_the_timeline() {
+    let bed = Bed::start(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"]);
+    let mode = std::fs::metadata(&bed.socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "daemon socket mode {mode:o}");
+
+    let out = bed.migrate("kbd0", &["--strategy", "naive"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", out.status);
+    for phase in [
+        "prepare", "quiesce", "detach", "migrate", "attach", "resume",
+    ] {
+        assert!(stdout.contains(&format!("] {phase:<8} started")), "{phase}");
+    }
+    assert!(stdout.contains("quiesce  skipped: strategy naive"));
+    assert!(stdout.contains("migrate  completed"));
+    assert!(stdout.contains("  total "));
+    assert!(stdout.contains("move done in"));
+    assert!(stdout.contains("the VM is on the destination"));
+
+    let report = bed.report();
+    assert_eq!(report["ok"], true);
+    assert_eq!(report["final_phase"], "done");
+    assert_eq!(report["vm_location"], "destination");
+    let phases = report["timeline"]["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 6);
+    let migrate = &phases[3];
+    assert_eq!(migrate["phase"], "migrate");
+    assert!(migrate["details"]["downtime_ms"].is_u64());
+    assert!(migrate["details"]["ram_transferred"].as_u64().unwrap() > 0);
+    for pair in phases.windows(2) {
+        assert!(pair[0]["ended_unix_ms"].as_u64() <= pair[1]["started_unix_ms"].as_u64());
+    }
+    eprintln!(
+        "naive move: total {} ms; phases (ms): {:?}; QEMU migration total {} ms, downtime {} ms",
+        report["timeline"]["total_ms"],
+        phases
+            .iter()
+            .map(|p| (
+                p["phase"].as_str().unwrap(),
+                p["duration_ms"].as_u64().unwrap()
+            ))
+            .collect::<Vec<_>>(),
+        report["migration"]["total_time_ms"],
+        report["migration"]["downtime_ms"]
+    );
+
+    // The destination runs the VM with the new NIC.
+    let status = qmp(&bed.destination.qmp(), "query-status", Value::Null);
+    assert_eq!(status["return"]["status"], "running", "{status}");
+    let kind = qmp(
+        &bed.destination.qmp(),
+        "qom-get",
+        serde_json::json!({"path": "/machine/peripheral/nic1", "property": "type"}),
+    );
+    assert_eq!(kind["return"], "virtio-net-pci", "{kind}");
+    let source = qmp(&bed.source.qmp(), "query-status", Value::Null);
+    assert_eq!(source["return"]["status"], "postmigrate", "{source}");
+}
+
+#[test]
+fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
+    let bed = Bed::start(&[
+        "-device",
+        "virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,romfile=",
+    ]);
+    let out = bed.migrate("nic0", &["--strategy", "naive", "--deadline", "detach=500"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains(
+            "phase detach missed its deadline of 500 ms: the guest did not release device nic0"
+        ),
+        "{stderr}"
+    );
+    let report = bed.report();
+    assert_eq!(report["ok"], false);
+    assert_eq!(report["failed_phase"], "detach");
+    assert_eq!(report["vm_location"], "source");
+    let detach = &report["timeline"]["phases"][2];
+    assert_eq!(detach["outcome"]["result"], "failed");
+    let took = detach["duration_ms"].as_u64().unwrap();
+    assert!((500..1500).contains(&took), "detach took {took} ms");
+    // Nothing after the failed phase ran.
+    assert_eq!(report["timeline"]["phases"].as_array().unwrap().len(), 3);
+}
+
+#[test]
+fn a_silent_agent_fails_the_reconnect_move_at_prepare() {
+    let bed = Bed::start(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"]);
+    let out = bed.migrate("kbd0", &["--deadline", "prepare=1500", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains(
+            "phase prepare missed its deadline of 1500 ms: the guest agent did not answer ping"
+        ),
+        "{stderr}"
+    );
+    // --json: every line of stdout is one JSON object; the last is the report.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["event"], "phase_started");
+    let report = lines.last().unwrap();
+    assert_eq!(report["failed_phase"], "prepare");
+    assert_eq!(report["vm_location"], "source");
+    // The device was not touched.
+    let kbd = qmp(
+        &bed.source.qmp(),
+        "qom-get",
+        serde_json::json!({"path": "/machine/peripheral/kbd0", "property": "type"}),
+    );
+    assert_eq!(kbd["return"], "usb-kbd", "{kbd}");
+}
+
+#[test]
+fn usage_errors_and_an_absent_daemon_have_their_own_exit_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = |via: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_rdmamig"));
+        command
+            .arg("migrate")
+            .arg("--socket")
+            .arg(dir.path().join("nobody.sock"))
+            .args([
+                "--vm",
+                "vm1",
+                "--qmp",
+                "/x/qmp",
+                "--detach",
+                "nic0",
+                "--to-qmp",
+                "/y/qmp",
+                "--attach",
+                "driver=e1000e,id=nic1",
+                "--via",
+                via,
+                "--strategy",
+                "naive",
+            ]);
+        command
+    };
+    let out = base("/no/scheme").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not unix:PATH or tcp:HOST:PORT"));
+    let out = base("unix:/m")
+        .args(["--deadline", "unplug=5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown phase"));
+    let out = base("unix:/m").output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the rdmamig daemon"));
+}
