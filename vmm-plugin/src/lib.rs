@@ -59,7 +59,9 @@ pub trait Vmm: Send + Sync {
     /// Asks the guest to release device `id` and waits until the VMM reports it gone.
     ///
     /// Fails with [`VmmError::DeviceNotReleased`] when the guest still holds the device at
-    /// the deadline (for example a process keeps an RDMA context on it open).
+    /// the deadline (for example a process keeps an RDMA context on it open). The request
+    /// stays pending in the guest: calling again for the same device does not ask again, it
+    /// waits again (asking twice would cancel the unplug in a Linux guest).
     async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError>;
 
     /// Plugs a new device; returns its id.

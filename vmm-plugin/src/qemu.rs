@@ -54,6 +54,10 @@ impl QemuConfig {
 pub struct QemuVmm {
     qmp: QmpClient,
     config: QemuConfig,
+    /// Devices this session asked QEMU to unplug that have not gone yet. A second device_del
+    /// for them would press the slot's attention button again, which a Linux guest (pciehp)
+    /// takes as "cancel the unplug"; a second [`Vmm::remove_device`] therefore only waits.
+    unplugging: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl QemuVmm {
@@ -68,7 +72,11 @@ impl QemuVmm {
                 },
                 other => vmm_error("connect", "", other),
             })?;
-        Ok(QemuVmm { qmp, config })
+        Ok(QemuVmm {
+            qmp,
+            config,
+            unplugging: std::sync::Mutex::default(),
+        })
     }
 
     /// The QMP session, for commands beyond the [`Vmm`] trait (tests, diagnostics).
@@ -87,6 +95,31 @@ impl QemuVmm {
             .execute(command, arguments)
             .await
             .map_err(|e| vmm_error(operation, object, e))
+    }
+
+    fn unplugging(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.unplugging
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether QEMU still has a device with this id.
+    async fn device_exists(&self, id: &str) -> Result<bool, VmmError> {
+        let list = self
+            .run(
+                "remove device",
+                id,
+                "qom-list",
+                Some(json!({ "path": "/machine/peripheral" })),
+            )
+            .await?;
+        let entries = list.as_array().ok_or_else(|| VmmError::Protocol {
+            operation: "remove device",
+            reason: format!("qom-list answered {list}"),
+        })?;
+        Ok(entries
+            .iter()
+            .any(|entry| entry.get("name").and_then(Value::as_str) == Some(id)))
     }
 
     async fn query_migrate(&self) -> Result<MigrationProgress, VmmError> {
@@ -159,8 +192,20 @@ impl Vmm for QemuVmm {
         let start = Instant::now();
         // Subscribe first: a device that goes at once (USB) is reported before the answer.
         let mut events = self.qmp.subscribe();
-        self.run("remove device", id, "device_del", Some(json!({ "id": id })))
-            .await?;
+        let first_request = self.unplugging().insert(id.to_string());
+        if first_request {
+            let sent = self
+                .run("remove device", id, "device_del", Some(json!({ "id": id })))
+                .await;
+            if let Err(e) = sent {
+                self.unplugging().remove(id);
+                return Err(e);
+            }
+        } else if !self.device_exists(id).await? {
+            // Released between the earlier call and this one.
+            self.unplugging().remove(id);
+            return Ok(());
+        }
         let remaining = deadline.saturating_sub(start.elapsed());
         let deleted = events
             .wait_for(remaining, |event| {
@@ -171,6 +216,7 @@ impl Vmm for QemuVmm {
             .map_err(|e| vmm_error("remove device", id, e))?;
         match deleted {
             Some(_) => {
+                self.unplugging().remove(id);
                 tracing::info!(
                     device = id,
                     elapsed_ms = millis(start.elapsed()),

@@ -184,6 +184,16 @@ async fn a_device_the_guest_does_not_release_misses_the_deadline() {
     assert!(err.to_string().contains("did not release device nic0"));
     assert!(err.is_timeout());
     assert!(waited >= Duration::from_millis(400) && waited < Duration::from_secs(2));
+    // Asking again waits again (without a second device_del, which a guest could take as
+    // a cancel).
+    let again = vmm
+        .remove_device("nic0", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(again, VmmError::DeviceNotReleased { .. }),
+        "{again}"
+    );
 }
 
 #[tokio::test]
