@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmamig_guest::traffic::Report as TrafficReport;
-use serde_json::Value;
+use rdmamig_migrator::mover::MoveReport;
 use thiserror::Error;
 
 use crate::{Guest, GuestError, Testbed, TestbedError};
@@ -85,8 +85,8 @@ pub struct ScenarioOutcome {
     pub move_succeeded: bool,
     /// What `rdmamig migrate` printed (progress and the timeline).
     pub move_output: String,
-    /// The migrator's JSON report, when it wrote one.
-    pub move_report: Option<Value>,
+    /// The migrator's report, when it wrote one.
+    pub move_report: Option<MoveReport>,
     /// Wall-clock time (ms since the epoch) the move command started and ended.
     pub move_window_unix_ms: (u64, u64),
     /// The traffic report of the peer VM (it receives what the moving VM sends).
@@ -104,7 +104,7 @@ pub struct ScenarioOutcome {
 pub enum ScenarioError {
     /// The test bed could not start a guest or a tap.
     #[error("setting up the test bed")]
-    Testbed(#[from] TestbedError),
+    Testbed(#[from] Box<TestbedError>),
     /// A console command in a guest failed.
     #[error("in guest {guest}: {what}")]
     Guest {
@@ -114,7 +114,7 @@ pub enum ScenarioError {
         what: &'static str,
         /// The cause.
         #[source]
-        source: GuestError,
+        source: Box<GuestError>,
     },
     /// The migrator could not be started or run.
     #[error("running {program}")]
@@ -208,9 +208,11 @@ pub fn run(
     config: &ScenarioConfig,
 ) -> Result<ScenarioOutcome, ScenarioError> {
     let tag = config.strategy.migrator_name();
-    let peer_spec = bed.guest_spec(&format!("{tag}-peer"))?;
-    let src_spec = bed.guest_spec(&format!("{tag}-src"))?;
-    let dst_spec = bed.incoming_spec(&src_spec, &format!("{tag}-dst"))?;
+    let peer_spec = bed.guest_spec(&format!("{tag}-peer")).map_err(Box::new)?;
+    let src_spec = bed.guest_spec(&format!("{tag}-src")).map_err(Box::new)?;
+    let dst_spec = bed
+        .incoming_spec(&src_spec, &format!("{tag}-dst"))
+        .map_err(Box::new)?;
     let (peer, src) = std::thread::scope(|s| {
         let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
         let src = s.spawn(|| bed.start_guest(src_spec.clone()));
@@ -219,8 +221,8 @@ pub fn run(
             src.join().expect("boot thread"),
         )
     });
-    let (peer, src) = (peer?, src?);
-    let dst = bed.start_incoming(dst_spec)?;
+    let (peer, src) = (peer.map_err(Box::new)?, src.map_err(Box::new)?);
+    let dst = bed.start_incoming(dst_spec).map_err(Box::new)?;
 
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;
     let server = format!("{}:{TRAFFIC_PORT}", peer_spec.address());
@@ -268,11 +270,15 @@ pub fn run(
         .map_err(|source| ScenarioError::Guest {
             guest: dst.name().into(),
             what: "attaching to the console after the move",
-            source,
+            source: Box::new(source),
         })?;
     std::thread::sleep(config.after);
-    let mover = stop_traffic(&dst)?;
-    let peer_report = stop_traffic(&peer)?;
+    // Both sides stop sending before either closes, so neither sees the other's close as
+    // an error: signal both, then collect both reports.
+    signal_traffic(&dst)?;
+    signal_traffic(&peer)?;
+    let mover = collect_report(&dst)?;
+    let peer_report = collect_report(&peer)?;
     let move_report = std::fs::read(&report_path)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
@@ -293,18 +299,18 @@ pub fn run(
 fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
     let before = crate::unix_ms();
     let out = guest
-        .run_ok("date +%s%N", COMMAND_TIMEOUT)
+        .run_ok("rdmamig-traffic now", COMMAND_TIMEOUT)
         .map_err(|source| ScenarioError::Guest {
             guest: guest.name().into(),
             what: "reading the guest clock",
-            source,
+            source: Box::new(source),
         })?;
     let after = crate::unix_ms();
-    let guest_ns: u64 = out.trim().parse().map_err(|_| ScenarioError::Report {
+    let guest_ms: u64 = out.trim().parse().map_err(|_| ScenarioError::Report {
         guest: guest.name().into(),
-        reason: format!("`date +%s%N` printed {out:?}"),
+        reason: format!("`rdmamig-traffic now` printed {out:?}"),
     })?;
-    Ok((guest_ns / 1_000_000) as i64 - ((before + after) / 2) as i64)
+    Ok(guest_ms as i64 - ((before + after) / 2) as i64)
 }
 
 fn start_traffic(guest: &Guest, args: &str) -> Result<(), ScenarioError> {
@@ -321,7 +327,7 @@ fn start_traffic(guest: &Guest, args: &str) -> Result<(), ScenarioError> {
         .map_err(|source| ScenarioError::Guest {
             guest: guest.name().into(),
             what: "starting the traffic tool",
-            source,
+            source: Box::new(source),
         })
 }
 
@@ -337,23 +343,33 @@ fn wait_ready(guest: &Guest) -> Result<(), ScenarioError> {
         .map_err(|source| ScenarioError::Guest {
             guest: guest.name().into(),
             what: "waiting for the traffic tool to connect",
-            source,
+            source: Box::new(source),
         })
 }
 
-fn stop_traffic(guest: &Guest) -> Result<TrafficReport, ScenarioError> {
+fn signal_traffic(guest: &Guest) -> Result<(), ScenarioError> {
+    guest
+        .run_ok("kill -INT $(cat /run/traffic.pid)", COMMAND_TIMEOUT)
+        .map(drop)
+        .map_err(|source| ScenarioError::Guest {
+            guest: guest.name().into(),
+            what: "stopping the traffic tool",
+            source: Box::new(source),
+        })
+}
+
+fn collect_report(guest: &Guest) -> Result<TrafficReport, ScenarioError> {
     let json = guest
         .run_ok(
-            "kill -INT $(cat /run/traffic.pid); \
-             i=0; while [ ! -s /run/traffic.json ]; do \
+            "i=0; while [ ! -s /run/traffic.json ]; do \
                i=$((i+1)); [ $i -gt 600 ] && { cat /run/traffic.err; exit 1; }; sleep 0.05; done; \
              cat /run/traffic.json",
             COMMAND_TIMEOUT,
         )
         .map_err(|source| ScenarioError::Guest {
             guest: guest.name().into(),
-            what: "stopping the traffic tool",
-            source,
+            what: "collecting the traffic report",
+            source: Box::new(source),
         })?;
     serde_json::from_str(&json).map_err(|e| ScenarioError::Report {
         guest: guest.name().into(),
@@ -398,7 +414,7 @@ fn run_bounded(
 /// The application's view of one scenario, as printed by the demo and the tests.
 pub fn render(outcome: &ScenarioOutcome) -> String {
     let mut text = String::new();
-    let side = |text: &mut String, what: &str, r: &TrafficReport| {
+    let side = |text: &mut String, what: &str, r: &TrafficReport, sender: &TrafficReport| {
         text.push_str(&format!(
             "  {what}\n    largest delivery gap (switching time)  {:.1} ms, ended {} UTC\n    \
              sent by the other side / received     {} / {}\n    \
@@ -407,7 +423,7 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
              errors seen                           {}\n",
             r.max_gap_ms,
             r.max_gap_end_time,
-            r.next_expected.saturating_sub(1),
+            sender.sent,
             r.received,
             r.lost,
             r.duplicated,
@@ -424,11 +440,13 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
         &mut text,
         "peer VM, receiving from the moving VM:",
         &outcome.peer,
+        &outcome.mover,
     );
     side(
         &mut text,
         "moving VM, receiving from the peer:",
         &outcome.mover,
+        &outcome.peer,
     );
     text
 }

@@ -54,6 +54,9 @@ enum Cmd {
         #[command(flatten)]
         common: Common,
     },
+    /// Print this machine's wall clock in milliseconds since the epoch: the time base of the
+    /// reports, for lining them up with another machine's (busybox `date` has no %N).
+    Now,
     /// Act as the agent for one request: listen on --socket, wait for a traffic process's
     /// library to register (it retries every second), send it the request, print its reply.
     /// Exercises exactly the code path the real agent drives.
@@ -118,6 +121,10 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Serve { listen, common } => run_traffic(Side::Serve(listen), common),
         Cmd::Connect { to, common } => run_traffic(Side::Connect(to), common),
+        Cmd::Now => {
+            println!("{}", traffic::unix_ms());
+            0
+        }
         Cmd::Ctl {
             socket,
             deadline_ms,
