@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::ConnectionId;
-use rdmamig_vmm::{MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError};
+use rdmamig_vmm::{
+    MigrationLimits, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -468,7 +470,9 @@ impl Mover {
     async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let source = self.source.as_ref().expect("prepare connected the source");
-        source.send_migration(&self.plan.via).await?;
+        source
+            .send_migration(&self.plan.via, &MigrationLimits::default())
+            .await?;
         let events = self.events.clone();
         let recorder_start = self.recorder.started_at();
         let mut last: Option<(Instant, MigrationStatus)> = None;
@@ -509,7 +513,7 @@ impl Mover {
     }
 
     async fn attach(&mut self) -> Result<Finished, StepError> {
-        let id = self.destination().add_device(&self.plan.attach).await?;
+        let id = self.destination().add_device(&self.plan.attach).await?.id;
         let mut details = Map::new();
         details.insert("device".into(), id.into());
         details.insert("driver".into(), self.plan.attach.driver().into());

@@ -1,19 +1,26 @@
 //! The VMM adapter: what a move needs from the hypervisor, behind one narrow trait.
 //!
-//! The migrator drives a move through [`Vmm`] only, so that a QEMU guest and (later) a
-//! Cloud Hypervisor guest move the same way. The trait is as small as the move: status,
-//! remove a device and wait until the guest released it, add a device, the two ends of a
-//! live migration, cancel, quit, and the host end of the guest-agent channel.
+//! The migrator drives a move through [`Vmm`] only, so that a QEMU guest and a Cloud
+//! Hypervisor guest move the same way. The trait is as small as the move: status, pause and
+//! resume, remove a device and wait until the guest released it, add a device (its id and
+//! PCI address back), the two ends of a live migration with limits and progress, cancel,
+//! quit, and the host end of the guest-agent channel.
 //!
 //! Layout:
 //! - [`qmp`]: a QMP client (UNIX socket, commands with ids, events delivered to waiters);
 //! - [`qemu`]: the QEMU backend of [`Vmm`] built on it;
+//! - [`ch_api`]: Cloud Hypervisor's REST API over its `--api-socket` (hyper), one typed
+//!   request per endpoint and every status its OpenAPI spec lists mapped to a kind;
+//! - [`ch_events`]: Cloud Hypervisor's `--event-monitor` stream, which is how a migration's
+//!   outcome is known (its `vm.send-migration` answers 204 before anything happened);
+//! - [`cloud_hypervisor`]: the Cloud Hypervisor backend of [`Vmm`] built on both;
+//! - [`vsock`]: the host end of a hybrid vsock (`CONNECT <port>` / `OK <port>`);
 //! - [`device`]: device descriptions (`driver=...,id=...` as an operator writes them);
 //! - [`migration`]: migration progress as the VMM reports it.
 //!
 //! Errors that callers act on are typed ([`VmmError`]): a device that is not there, a
-//! request the VMM refused (with its own words), a deadline that passed (naming the
-//! operation), and a VMM that went away.
+//! conflict with what exists, a request the VMM refused (with its own words), a deadline
+//! that passed (naming the operation), and a VMM that went away.
 
 use std::time::Duration;
 
@@ -21,13 +28,18 @@ use async_trait::async_trait;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncWrite};
 
+pub mod ch_api;
+pub mod ch_events;
+pub mod cloud_hypervisor;
 pub mod device;
 pub mod migration;
 pub mod qemu;
 pub mod qmp;
+pub mod vsock;
 
+pub use cloud_hypervisor::{ChConfig, ChVmm};
 pub use device::{DeviceSpec, DeviceSpecError};
-pub use migration::{MigrationProgress, MigrationStatus};
+pub use migration::{MigrationLimits, MigrationProgress, MigrationStatus};
 pub use qemu::{QemuConfig, QemuVmm};
 
 /// A byte stream to the guest agent, whatever carries it (virtio-serial, hybrid vsock).
@@ -45,6 +57,15 @@ pub struct VmStatus {
     pub state: String,
 }
 
+/// A device the VMM plugged.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AddedDevice {
+    /// Its id in the VMM.
+    pub id: String,
+    /// Its PCI address in the guest (`0000:00:02.0`), when the VMM reports one.
+    pub bdf: Option<String>,
+}
+
 /// Called with every progress sample while a migration runs.
 pub type ProgressFn<'a> = &'a mut (dyn FnMut(&MigrationProgress) + Send);
 
@@ -56,6 +77,13 @@ pub trait Vmm: Send + Sync {
     /// The VM's run state.
     async fn status(&self) -> Result<VmStatus, VmmError>;
 
+    /// Stops the guest's vCPUs.
+    async fn pause(&self) -> Result<(), VmmError>;
+
+    /// Lets a paused guest run again (a move that rolls back after its migration completed
+    /// restarts the source VM, which the VMM paused at the end of the migration).
+    async fn resume(&self) -> Result<(), VmmError>;
+
     /// Asks the guest to release device `id` and waits until the VMM reports it gone.
     ///
     /// Fails with [`VmmError::DeviceNotReleased`] when the guest still holds the device at
@@ -64,14 +92,18 @@ pub trait Vmm: Send + Sync {
     /// waits again (asking twice would cancel the unplug in a Linux guest).
     async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError>;
 
-    /// Plugs a new device; returns its id.
-    async fn add_device(&self, device: &DeviceSpec) -> Result<String, VmmError>;
+    /// Plugs a new device; returns its id and, where the VMM tells, its PCI address.
+    ///
+    /// A passthrough function is `driver=vfio-pci,host=<BDF>,id=<id>` for every backend
+    /// (Cloud Hypervisor gets it as `/sys/bus/pci/devices/<BDF>`).
+    async fn add_device(&self, device: &DeviceSpec) -> Result<AddedDevice, VmmError>;
 
     /// Readies this (destination) VMM to receive a migration at `uri`.
     async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError>;
 
-    /// Starts sending this VM to `uri`; returns once the migration has started.
-    async fn send_migration(&self, uri: &str) -> Result<(), VmmError>;
+    /// Starts sending this VM to `uri` within `limits`; returns once the migration has
+    /// started. Starting is not succeeding: only [`Vmm::wait_migration`] says how it ended.
+    async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError>;
 
     /// Waits until the outgoing migration completes, calling `progress` with every sample.
     ///
@@ -90,6 +122,10 @@ pub trait Vmm: Send + Sync {
 
     /// Opens the host end of the channel to the guest agent.
     async fn open_agent_channel(&self) -> Result<Box<dyn AgentStream>, VmmError>;
+
+    /// Whether the VM has a device with this id (a migrator that restarted mid-move asks
+    /// before it re-attaches or detaches anything).
+    async fn has_device(&self, id: &str) -> Result<bool, VmmError>;
 }
 
 /// Why a VMM operation failed.
@@ -114,12 +150,33 @@ pub enum VmmError {
         /// The VMM's words.
         message: String,
     },
+    /// The request conflicts with what the VM has (a device with that id or path exists).
+    #[error("{operation}: {object} conflicts with an existing one ({message})")]
+    Conflict {
+        /// The operation.
+        operation: &'static str,
+        /// What conflicts (a device id, a path).
+        object: String,
+        /// The VMM's words.
+        message: String,
+    },
+    /// The VMM has no way to do this.
+    #[error("{operation} is not supported by {vmm}: {reason}")]
+    Unsupported {
+        /// The operation.
+        operation: &'static str,
+        /// The VMM.
+        vmm: &'static str,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// The VMM refused a request.
     #[error("{operation}: the VMM refused: {message} ({class})")]
     Refused {
         /// The operation.
         operation: &'static str,
-        /// The VMM's error class (QEMU: `GenericError`, `CommandNotFound`, ...).
+        /// The VMM's error class (QEMU: `GenericError`, `CommandNotFound`, ...; Cloud
+        /// Hypervisor: the HTTP status, `HTTP 500`).
         class: String,
         /// The VMM's words.
         message: String,
@@ -186,6 +243,9 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    /// Could not open the hybrid vsock channel to the guest agent.
+    #[error("cannot open the agent channel over vsock")]
+    AgentVsock(#[source] vsock::VsockError),
 }
 
 impl VmmError {
@@ -193,7 +253,9 @@ impl VmmError {
     pub fn is_timeout(&self) -> bool {
         matches!(
             self,
-            VmmError::DeviceNotReleased { .. } | VmmError::TimedOut { .. }
+            VmmError::DeviceNotReleased { .. }
+                | VmmError::TimedOut { .. }
+                | VmmError::AgentVsock(vsock::VsockError::TimedOut { .. })
         )
     }
 }

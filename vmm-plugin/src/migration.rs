@@ -4,8 +4,25 @@
 //! RAM counters; fields appear as the migration advances, so every number is optional. The
 //! parse is kept apart from the socket so that it is tested on QEMU's own answers.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+/// The bounds a migration is started with.
+///
+/// Cloud Hypervisor takes both (`downtime_ms`, and `timeout_s` with the `Cancel` strategy:
+/// past the timeout the migration is abandoned and the VM keeps running on the source).
+/// QEMU takes the downtime (`downtime-limit`); its backend enforces the timeout itself by
+/// cancelling, so both end the same way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationLimits {
+    /// The longest stop-and-copy the VMM may choose; `None` leaves the VMM's default.
+    pub downtime: Option<Duration>,
+    /// The longest the whole migration may take before it is cancelled; `None` leaves the
+    /// VMM's default (Cloud Hypervisor: one hour; QEMU: none).
+    pub timeout: Option<Duration>,
+}
 
 /// Where a migration stands.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

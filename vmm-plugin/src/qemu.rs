@@ -1,8 +1,11 @@
 //! The QEMU backend of [`Vmm`]: QMP for control, a virtio-serial chardev socket for the agent.
 //!
-//! The mapping is direct: `query-status`, `device_del` + `DEVICE_DELETED`, `device_add`,
-//! `migrate-incoming`, `migrate`, `query-migrate` (polled), `migrate_cancel`, `quit`. QEMU's
-//! error classes are translated into [`VmmError`]'s kinds here and nowhere else.
+//! The mapping is direct: `query-status`, `stop`/`cont`, `device_del` + `DEVICE_DELETED`,
+//! `device_add` (then `query-pci` for the address the guest sees), `migrate-incoming`,
+//! `migrate-set-parameters` + `migrate`, `query-migrate` (polled), `migrate_cancel`, `quit`.
+//! QEMU has no migration timeout of its own: [`Vmm::wait_migration`] cancels a migration
+//! that outlives [`MigrationLimits::timeout`], so that both backends end it the same way.
+//! QEMU's error classes are translated into [`VmmError`]'s kinds here and nowhere else.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -12,7 +15,8 @@ use serde_json::{json, Value};
 use tokio::net::UnixStream;
 
 use crate::qmp::{QmpClient, QmpError};
-use crate::{AgentStream, DeviceSpec, MigrationProgress, MigrationStatus, ProgressFn, Vmm};
+use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
+use crate::{MigrationStatus, ProgressFn, Vmm};
 use crate::{VmStatus, VmmError};
 
 /// How to reach one QEMU process.
@@ -58,6 +62,8 @@ pub struct QemuVmm {
     /// for them would press the slot's attention button again, which a Linux guest (pciehp)
     /// takes as "cancel the unplug"; a second [`Vmm::remove_device`] therefore only waits.
     unplugging: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// When the outgoing migration must have ended, and its timeout limit, if it has one.
+    migration_end: std::sync::Mutex<Option<(Instant, Duration)>>,
 }
 
 impl QemuVmm {
@@ -76,6 +82,7 @@ impl QemuVmm {
             qmp,
             config,
             unplugging: std::sync::Mutex::default(),
+            migration_end: std::sync::Mutex::default(),
         })
     }
 
@@ -122,6 +129,17 @@ impl QemuVmm {
             .any(|entry| entry.get("name").and_then(Value::as_str) == Some(id)))
     }
 
+    /// The guest PCI address of device `id` (`query-pci`, bridges included).
+    async fn pci_address(&self, id: &str) -> Result<Option<String>, VmmError> {
+        let buses = self.run("add device", id, "query-pci", None).await?;
+        Ok(buses.as_array().and_then(|buses| {
+            buses.iter().find_map(|bus| {
+                find_pci(bus.get("devices")?, id)
+                    .map(|(b, s, f)| format!("0000:{b:02x}:{s:02x}.{f}"))
+            })
+        }))
+    }
+
     async fn query_migrate(&self) -> Result<MigrationProgress, VmmError> {
         let answer = self
             .run("query migration", "", "query-migrate", None)
@@ -166,6 +184,18 @@ fn vmm_error(operation: &'static str, object: &str, error: QmpError) -> VmmError
     }
 }
 
+/// Finds `(bus, slot, function)` of the device whose `qdev_id` is `id` in a `query-pci`
+/// device list, looking behind bridges.
+fn find_pci(devices: &Value, id: &str) -> Option<(u64, u64, u64)> {
+    devices.as_array()?.iter().find_map(|device| {
+        if device.get("qdev_id").and_then(Value::as_str) == Some(id) {
+            let field = |name| device.get(name).and_then(Value::as_u64);
+            return Some((field("bus")?, field("slot")?, field("function")?));
+        }
+        find_pci(device.get("pci_bridge")?.get("devices")?, id)
+    })
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -186,6 +216,14 @@ impl Vmm for QemuVmm {
                 reason: format!("no status/running in {answer}"),
             }),
         }
+    }
+
+    async fn pause(&self) -> Result<(), VmmError> {
+        self.run("pause", "", "stop", None).await.map(drop)
+    }
+
+    async fn resume(&self) -> Result<(), VmmError> {
+        self.run("resume", "", "cont", None).await.map(drop)
     }
 
     async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError> {
@@ -231,11 +269,14 @@ impl Vmm for QemuVmm {
         }
     }
 
-    async fn add_device(&self, device: &DeviceSpec) -> Result<String, VmmError> {
+    async fn add_device(&self, device: &DeviceSpec) -> Result<AddedDevice, VmmError> {
         let arguments = Value::Object(device.properties().clone());
         self.run("add device", device.id(), "device_add", Some(arguments))
             .await?;
-        Ok(device.id().to_string())
+        Ok(AddedDevice {
+            id: device.id().to_string(),
+            bdf: self.pci_address(device.id()).await?,
+        })
     }
 
     async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError> {
@@ -249,7 +290,22 @@ impl Vmm for QemuVmm {
         .map(drop)
     }
 
-    async fn send_migration(&self, uri: &str) -> Result<(), VmmError> {
+    async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError> {
+        if let Some(downtime) = limits.downtime {
+            self.run(
+                "send migration",
+                uri,
+                "migrate-set-parameters",
+                Some(json!({ "downtime-limit": millis(downtime) })),
+            )
+            .await?;
+        }
+        *self
+            .migration_end
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = limits
+            .timeout
+            .map(|timeout| (Instant::now() + timeout, timeout));
         self.run(
             "send migration",
             uri,
@@ -266,9 +322,23 @@ impl Vmm for QemuVmm {
         progress: ProgressFn<'_>,
     ) -> Result<MigrationProgress, VmmError> {
         let end = Instant::now() + deadline;
+        let limit = *self
+            .migration_end
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         loop {
             let sample = self.query_migrate().await?;
             progress(&sample);
+            if let Some((limit, timeout)) = limit {
+                if Instant::now() >= limit && !sample.status.is_final() {
+                    // The timeout limit, with Cloud Hypervisor's Cancel strategy: the VM stays.
+                    self.cancel_migration().await?;
+                    return Err(VmmError::TimedOut {
+                        operation: "migration (its timeout limit; cancelled)",
+                        deadline_ms: millis(timeout),
+                    });
+                }
+            }
             match sample.status {
                 MigrationStatus::Completed => return Ok(sample),
                 MigrationStatus::Failed | MigrationStatus::Cancelled => {
@@ -317,6 +387,10 @@ impl Vmm for QemuVmm {
                 deadline_ms: millis(self.config.answer_timeout),
             })
         }
+    }
+
+    async fn has_device(&self, id: &str) -> Result<bool, VmmError> {
+        self.device_exists(id).await
     }
 
     async fn open_agent_channel(&self) -> Result<Box<dyn AgentStream>, VmmError> {

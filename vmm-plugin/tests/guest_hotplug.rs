@@ -63,7 +63,9 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
         "driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac={}",
         spec.mac
     ))?;
-    runtime.block_on(vmm.add_device(&nic))?;
+    let added = runtime.block_on(vmm.add_device(&nic))?;
+    // The firmware numbered the root port's bus: the NIC is slot 0 behind it.
+    assert_eq!(added.bdf.as_deref(), Some("0000:01:00.0"), "{added:?}");
     guest.run_ok(
         "i=0; until [ \"$(cat /sys/class/net/eth0/carrier 2>/dev/null)\" = 1 ]; do \
            i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done",

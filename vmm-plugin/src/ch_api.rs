@@ -1,0 +1,578 @@
+//! Cloud Hypervisor's REST API over its `--api-socket` UNIX socket.
+//!
+//! Every endpoint rdmamig uses is one [`Endpoint`] value that knows its method, its path
+//! under `/api/v1`, and the statuses Cloud Hypervisor's OpenAPI description lists for it;
+//! every body it sends is one [`Request`] value. Keeping them as data is what lets the
+//! contract tests (tests/ch_contract.rs) check the backend against the spec itself: each
+//! recorded body against the schema of its path and method, each listed status against
+//! [`Endpoint::statuses`].
+//!
+//! HTTP is hyper's (HTTP/1.1, one connection per request, as `ch-remote` does). Answers are
+//! bounded in size and time. Errors: Cloud Hypervisor answers a failure with a JSON array of
+//! strings, the error chain outermost first; [`ApiError::Status`] carries it joined, and
+//! [`ApiError::into_vmm`] turns it into the [`VmmError`] kind that status means.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use hyper::StatusCode;
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use thiserror::Error;
+use tokio::net::UnixStream;
+
+use crate::VmmError;
+
+/// Largest answer body read (a `vm.info` with many devices is a few tens of KiB).
+pub const MAX_BODY: usize = 4 << 20;
+
+/// The API's path prefix.
+pub const PREFIX: &str = "/api/v1";
+
+/// One endpoint of the API that rdmamig calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `GET /vmm.ping`: the VMM's version.
+    VmmPing,
+    /// `PUT /vmm.shutdown`: ends the VMM process.
+    VmmShutdown,
+    /// `GET /vm.info`: the VM's configuration and state.
+    VmInfo,
+    /// `PUT /vm.pause`.
+    VmPause,
+    /// `PUT /vm.resume`.
+    VmResume,
+    /// `PUT /vm.add-device`: a VFIO device by sysfs path.
+    VmAddDevice,
+    /// `PUT /vm.remove-device`.
+    VmRemoveDevice,
+    /// `PUT /vm.add-vsock`.
+    VmAddVsock,
+    /// `PUT /vm.send-migration`.
+    VmSendMigration,
+    /// `PUT /vm.receive-migration`.
+    VmReceiveMigration,
+}
+
+impl Endpoint {
+    /// Every endpoint the backend uses.
+    pub const ALL: [Endpoint; 10] = [
+        Endpoint::VmmPing,
+        Endpoint::VmmShutdown,
+        Endpoint::VmInfo,
+        Endpoint::VmPause,
+        Endpoint::VmResume,
+        Endpoint::VmAddDevice,
+        Endpoint::VmRemoveDevice,
+        Endpoint::VmAddVsock,
+        Endpoint::VmSendMigration,
+        Endpoint::VmReceiveMigration,
+    ];
+
+    /// The path under [`PREFIX`].
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::VmmPing => "/vmm.ping",
+            Endpoint::VmmShutdown => "/vmm.shutdown",
+            Endpoint::VmInfo => "/vm.info",
+            Endpoint::VmPause => "/vm.pause",
+            Endpoint::VmResume => "/vm.resume",
+            Endpoint::VmAddDevice => "/vm.add-device",
+            Endpoint::VmRemoveDevice => "/vm.remove-device",
+            Endpoint::VmAddVsock => "/vm.add-vsock",
+            Endpoint::VmSendMigration => "/vm.send-migration",
+            Endpoint::VmReceiveMigration => "/vm.receive-migration",
+        }
+    }
+
+    /// The HTTP method.
+    pub fn method(self) -> hyper::Method {
+        match self {
+            Endpoint::VmmPing | Endpoint::VmInfo => hyper::Method::GET,
+            _ => hyper::Method::PUT,
+        }
+    }
+
+    /// What the operation is called in errors.
+    pub fn operation(self) -> &'static str {
+        match self {
+            Endpoint::VmmPing => "ping the VMM",
+            Endpoint::VmmShutdown => "shut the VMM down",
+            Endpoint::VmInfo => "query the VM",
+            Endpoint::VmPause => "pause the VM",
+            Endpoint::VmResume => "resume the VM",
+            Endpoint::VmAddDevice => "add device",
+            Endpoint::VmRemoveDevice => "remove device",
+            Endpoint::VmAddVsock => "add vsock device",
+            Endpoint::VmSendMigration => "send migration",
+            Endpoint::VmReceiveMigration => "receive migration",
+        }
+    }
+
+    /// Every status the API description lists for this endpoint, which is every status
+    /// [`classify`] gives a meaning for it; any other status is a protocol error.
+    pub fn statuses(self) -> &'static [u16] {
+        match self {
+            Endpoint::VmmPing => &[200],
+            Endpoint::VmmShutdown => &[204],
+            Endpoint::VmInfo => &[200, 404],
+            Endpoint::VmPause | Endpoint::VmResume => &[204, 404, 405],
+            Endpoint::VmAddDevice => &[200, 204, 400, 404, 409],
+            Endpoint::VmRemoveDevice => &[204, 404],
+            Endpoint::VmAddVsock => &[200, 204, 400, 404, 409, 500],
+            Endpoint::VmSendMigration | Endpoint::VmReceiveMigration => &[204, 500],
+        }
+    }
+}
+
+/// A request body, one variant per endpoint that takes one. Field names and values are the
+/// API's own (schemas `DeviceConfig`, `VmRemoveDevice`, `VsockConfig`, `SendMigrationData`,
+/// `ReceiveMigrationData`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Request {
+    /// `vm.add-device`.
+    AddDevice {
+        /// `/sys/bus/pci/devices/<BDF>`.
+        path: String,
+        /// The device id.
+        id: String,
+    },
+    /// `vm.remove-device`.
+    RemoveDevice {
+        /// The device id.
+        id: String,
+    },
+    /// `vm.add-vsock`.
+    AddVsock {
+        /// The guest's CID (3 or more).
+        cid: u32,
+        /// The host UNIX socket that proxies the guest's ports.
+        socket: String,
+        /// The device id.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+    },
+    /// `vm.send-migration`.
+    SendMigration {
+        /// `unix:PATH` or `tcp:HOST:PORT`.
+        destination_url: String,
+        /// Local migration (memory shared through file descriptors, UNIX sockets only).
+        local: bool,
+        /// The longest stop-and-copy, in ms.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        downtime_ms: Option<u64>,
+        /// The longest migration, in s.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        timeout_s: Option<u64>,
+        /// What to do at the timeout (`Cancel`: keep the VM on the source).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        timeout_strategy: Option<TimeoutStrategy>,
+    },
+    /// `vm.receive-migration`.
+    ReceiveMigration {
+        /// `unix:PATH` or `tcp:HOST:PORT`.
+        receiver_url: String,
+        /// Mutual TLS material (tcp only).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tls_dir: Option<String>,
+    },
+}
+
+impl Request {
+    /// The endpoint this body is for.
+    pub fn endpoint(&self) -> Endpoint {
+        match self {
+            Request::AddDevice { .. } => Endpoint::VmAddDevice,
+            Request::RemoveDevice { .. } => Endpoint::VmRemoveDevice,
+            Request::AddVsock { .. } => Endpoint::VmAddVsock,
+            Request::SendMigration { .. } => Endpoint::VmSendMigration,
+            Request::ReceiveMigration { .. } => Endpoint::VmReceiveMigration,
+        }
+    }
+}
+
+/// `TimeoutStrategy` in the API description.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum TimeoutStrategy {
+    /// Abandon the migration at the timeout; the VM keeps running on the source.
+    Cancel,
+}
+
+/// What a status means for the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done (200 with a body, 204 without).
+    Success,
+    /// The object (the VM, a device) does not exist (404).
+    NotFound,
+    /// A device with that id or path exists (409).
+    Conflict,
+    /// The VMM refused: bad configuration (400), wrong VM state (405), or it failed (500).
+    Refused,
+}
+
+/// The meaning of `status` for `endpoint`, or `None` when the API description does not list
+/// it (a protocol error).
+pub fn classify(endpoint: Endpoint, status: u16) -> Option<Outcome> {
+    if !endpoint.statuses().contains(&status) {
+        return None;
+    }
+    Some(match status {
+        200 | 204 => Outcome::Success,
+        404 => Outcome::NotFound,
+        409 => Outcome::Conflict,
+        _ => Outcome::Refused,
+    })
+}
+
+/// Why an API call failed.
+#[derive(Debug, Error)]
+pub enum ApiError {
+    /// The API socket cannot be reached.
+    #[error("cannot connect to the Cloud Hypervisor API socket {socket}")]
+    Connect {
+        /// The socket.
+        socket: PathBuf,
+        /// What connect said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The HTTP exchange broke (the VMM closed the connection mid-answer, ...).
+    #[error("{operation}: HTTP exchange on {socket} failed")]
+    Http {
+        /// The operation.
+        operation: &'static str,
+        /// The socket.
+        socket: PathBuf,
+        /// hyper's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// No answer in time.
+    #[error("{operation}: no answer within {timeout_ms} ms")]
+    NoAnswer {
+        /// The operation.
+        operation: &'static str,
+        /// The wait.
+        timeout_ms: u64,
+    },
+    /// A status the API description lists as a failure.
+    #[error("{}: HTTP {status}: {message}", endpoint.operation())]
+    Status {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// The status.
+        status: u16,
+        /// What it means.
+        outcome: Outcome,
+        /// The error chain from the body, joined with ": ".
+        message: String,
+    },
+    /// A status the API description does not list for this endpoint, or a body that does
+    /// not parse.
+    #[error("{operation}: unexpected answer: {reason}")]
+    Unexpected {
+        /// The operation.
+        operation: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl ApiError {
+    /// The [`VmmError`] kind this failure is, naming `object` (a device id, a URL).
+    pub fn into_vmm(self, object: &str) -> VmmError {
+        match self {
+            ApiError::Connect { socket, source } => VmmError::Connect {
+                path: socket.display().to_string(),
+                source,
+            },
+            ApiError::NoAnswer {
+                operation,
+                timeout_ms,
+            } => VmmError::TimedOut {
+                operation,
+                deadline_ms: timeout_ms,
+            },
+            ApiError::Status {
+                endpoint,
+                status,
+                outcome,
+                message,
+            } => {
+                let operation = endpoint.operation();
+                match outcome {
+                    Outcome::NotFound => VmmError::NotFound {
+                        operation,
+                        object: object.into(),
+                        message,
+                    },
+                    Outcome::Conflict => VmmError::Conflict {
+                        operation,
+                        object: object.into(),
+                        message,
+                    },
+                    Outcome::Refused | Outcome::Success => VmmError::Refused {
+                        operation,
+                        class: format!("HTTP {status}"),
+                        message,
+                    },
+                }
+            }
+            ApiError::Unexpected { operation, reason } => VmmError::Protocol { operation, reason },
+            ApiError::Http {
+                operation, source, ..
+            } => {
+                if is_closed(&*source) {
+                    VmmError::Gone { operation }
+                } else {
+                    VmmError::Transport { operation, source }
+                }
+            }
+        }
+    }
+}
+
+fn is_closed(error: &(dyn std::error::Error + 'static)) -> bool {
+    error
+        .downcast_ref::<hyper::Error>()
+        .is_some_and(|e| e.is_incomplete_message() || e.is_closed())
+}
+
+/// The message of an error body: the JSON array of strings joined with ": ", else the text.
+pub fn error_message(body: &[u8]) -> String {
+    if let Ok(chain) = serde_json::from_slice::<Vec<String>>(body) {
+        if !chain.is_empty() {
+            return chain.join(": ");
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        "no message".into()
+    } else {
+        text.chars().take(1000).collect()
+    }
+}
+
+/// `PciDeviceInfo`: what `vm.add-device` and `vm.add-vsock` answer with 200.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PciDeviceInfo {
+    /// The device id.
+    pub id: String,
+    /// Its PCI address in the guest.
+    pub bdf: String,
+}
+
+/// A client for one API socket.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    socket: PathBuf,
+    timeout: Duration,
+}
+
+impl ApiClient {
+    /// A client for `socket` whose calls wait at most `timeout` for an answer.
+    pub fn new(socket: impl Into<PathBuf>, timeout: Duration) -> ApiClient {
+        ApiClient {
+            socket: socket.into(),
+            timeout,
+        }
+    }
+
+    /// The API socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Calls `endpoint` with `body` and the client's timeout; returns the body of a success.
+    pub async fn call(
+        &self,
+        endpoint: Endpoint,
+        body: Option<&Request>,
+    ) -> Result<Bytes, ApiError> {
+        self.call_within(endpoint, body, self.timeout).await
+    }
+
+    /// Calls `endpoint` with `body`, waiting at most `timeout` (`vm.receive-migration`
+    /// answers only when the migration has ended).
+    pub async fn call_within(
+        &self,
+        endpoint: Endpoint,
+        body: Option<&Request>,
+        timeout: Duration,
+    ) -> Result<Bytes, ApiError> {
+        let operation = endpoint.operation();
+        if let Some(body) = body {
+            debug_assert_eq!(body.endpoint(), endpoint, "body sent to the wrong endpoint");
+        }
+        let exchange = self.exchange(endpoint, body);
+        let (status, bytes) = match tokio::time::timeout(timeout, exchange).await {
+            Ok(result) => result?,
+            Err(_) => {
+                return Err(ApiError::NoAnswer {
+                    operation,
+                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                })
+            }
+        };
+        match classify(endpoint, status) {
+            Some(Outcome::Success) => Ok(bytes),
+            Some(outcome) => Err(ApiError::Status {
+                endpoint,
+                status,
+                outcome,
+                message: error_message(&bytes),
+            }),
+            None => Err(ApiError::Unexpected {
+                operation,
+                reason: format!(
+                    "HTTP {status}, which the API does not list for {} {}: {}",
+                    endpoint.method(),
+                    endpoint.path(),
+                    error_message(&bytes)
+                ),
+            }),
+        }
+    }
+
+    /// Calls an endpoint whose success carries a JSON body and parses it.
+    pub async fn call_json<T: serde::de::DeserializeOwned>(
+        &self,
+        endpoint: Endpoint,
+        body: Option<&Request>,
+    ) -> Result<T, ApiError> {
+        let bytes = self.call(endpoint, body).await?;
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::Unexpected {
+            operation: endpoint.operation(),
+            reason: format!("the answer does not parse: {e}"),
+        })
+    }
+
+    async fn exchange(
+        &self,
+        endpoint: Endpoint,
+        body: Option<&Request>,
+    ) -> Result<(u16, Bytes), ApiError> {
+        let operation = endpoint.operation();
+        let http = |source: Box<dyn std::error::Error + Send + Sync>| ApiError::Http {
+            operation,
+            socket: self.socket.clone(),
+            source,
+        };
+        let stream =
+            UnixStream::connect(&self.socket)
+                .await
+                .map_err(|source| ApiError::Connect {
+                    socket: self.socket.clone(),
+                    source,
+                })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| http(Box::new(e)))?;
+        let driver = tokio::spawn(connection);
+        let payload = match body {
+            Some(body) => Bytes::from(serde_json::to_vec(body).map_err(|e| http(Box::new(e)))?),
+            None => Bytes::new(),
+        };
+        let mut request = hyper::Request::builder()
+            .method(endpoint.method())
+            .uri(format!("http://localhost{PREFIX}{}", endpoint.path()))
+            .header(hyper::header::HOST, "localhost")
+            .header(hyper::header::ACCEPT, "application/json");
+        if body.is_some() {
+            request = request.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let request = request
+            .body(Full::new(payload))
+            .map_err(|e| http(Box::new(e)))?;
+        let result = async {
+            let answer = sender
+                .send_request(request)
+                .await
+                .map_err(|e| http(Box::new(e)))?;
+            let status = answer.status();
+            let bytes = Limited::new(answer.into_body(), MAX_BODY)
+                .collect()
+                .await
+                .map_err(http)?
+                .to_bytes();
+            Ok((status_code(status), bytes))
+        }
+        .await;
+        driver.abort();
+        result
+    }
+}
+
+fn status_code(status: StatusCode) -> u16 {
+    status.as_u16()
+}
+
+/// The VM's state as `vm.info` reports it (`VmInfo.state`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct VmInfo {
+    /// `Created`, `Running`, `Shutdown`, `Paused` or `BreakPoint`.
+    pub state: String,
+    /// The configuration, kept as the VMM sent it.
+    pub config: Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_are_chains() {
+        let body = br#"["Error from API","The device could not be removed from the VM","Failed to find device corresponding to the given identifier: nope"]"#;
+        assert_eq!(
+            error_message(body),
+            "Error from API: The device could not be removed from the VM: \
+             Failed to find device corresponding to the given identifier: nope"
+        );
+        assert_eq!(error_message(b""), "no message");
+        assert_eq!(error_message(b"[]"), "[]");
+        assert_eq!(error_message(b" plain words\n"), "plain words");
+    }
+
+    #[test]
+    fn statuses_outside_the_list_mean_nothing() {
+        assert_eq!(
+            classify(Endpoint::VmRemoveDevice, 404),
+            Some(Outcome::NotFound)
+        );
+        assert_eq!(
+            classify(Endpoint::VmAddDevice, 409),
+            Some(Outcome::Conflict)
+        );
+        assert_eq!(classify(Endpoint::VmPause, 405), Some(Outcome::Refused));
+        assert_eq!(classify(Endpoint::VmRemoveDevice, 500), None);
+        assert_eq!(classify(Endpoint::VmSendMigration, 200), None);
+    }
+
+    #[test]
+    fn status_errors_become_kinds() {
+        let status = |endpoint, status| ApiError::Status {
+            endpoint,
+            status,
+            outcome: classify(endpoint, status).unwrap(),
+            message: "why".into(),
+        };
+        assert!(matches!(
+            status(Endpoint::VmRemoveDevice, 404).into_vmm("vf0"),
+            VmmError::NotFound { object, message, .. } if object == "vf0" && message == "why"
+        ));
+        assert!(matches!(
+            status(Endpoint::VmAddDevice, 409).into_vmm("vf0"),
+            VmmError::Conflict { object, .. } if object == "vf0"
+        ));
+        assert!(matches!(
+            status(Endpoint::VmSendMigration, 500).into_vmm("unix:/x"),
+            VmmError::Refused { class, operation: "send migration", .. } if class == "HTTP 500"
+        ));
+    }
+}

@@ -1,0 +1,931 @@
+//! Contract tests of the Cloud Hypervisor backend against Cloud Hypervisor's own API
+//! description, read at test time from ../shared/cloud-hypervisor/openapi.yaml.
+//!
+//! A real Cloud Hypervisor cannot run on these machines (no usable KVM), so the spec is the
+//! oracle. The backend talks to a small HTTP server on a UNIX socket that records every
+//! request and answers with statuses and bodies taken from (and checked against) the spec:
+//! - every recorded request's path and method exist in the spec, and its body validates
+//!   against the request schema of that path and method (unknown properties included);
+//! - for every endpoint the backend uses, the statuses the spec lists are exactly the ones
+//!   the backend gives a meaning to, and each one, answered for real, comes out as success
+//!   or as a typed error carrying the body's error chain;
+//! - the bodies the fake server answers with validate against the spec's response schemas,
+//!   so the fake cannot drift from what Cloud Hypervisor sends.
+//!
+//! The schema checker understands exactly the keywords the spec uses and fails on any other,
+//! so nothing in a schema is silently ignored.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
+use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, Vmm, VmmError};
+use serde_json::{json, Map, Value};
+use tokio::net::UnixListener;
+use tokio::task::JoinHandle;
+
+// ---------------------------------------------------------------------------------------
+// The spec
+
+const SPEC: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/cloud-hypervisor/openapi.yaml"
+);
+
+fn spec() -> &'static Value {
+    static SPEC_VALUE: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    SPEC_VALUE.get_or_init(|| {
+        let text = std::fs::read_to_string(SPEC)
+            .unwrap_or_else(|e| panic!("the API description {SPEC} must be readable: {e}"));
+        let yaml: serde_yaml::Value = serde_yaml::from_str(&text).expect("openapi.yaml parses");
+        to_json(yaml)
+    })
+}
+
+/// YAML to JSON, with map keys (response codes are integers in YAML) as strings.
+fn to_json(yaml: serde_yaml::Value) -> Value {
+    match yaml {
+        serde_yaml::Value::Null => Value::Null,
+        serde_yaml::Value::Bool(b) => Value::Bool(b),
+        serde_yaml::Value::Number(n) => {
+            serde_json::to_value(&n).expect("a YAML number is a JSON number")
+        }
+        serde_yaml::Value::String(s) => Value::String(s),
+        serde_yaml::Value::Sequence(items) => {
+            Value::Array(items.into_iter().map(to_json).collect())
+        }
+        serde_yaml::Value::Mapping(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        serde_yaml::Value::String(s) => s,
+                        serde_yaml::Value::Number(n) => n.to_string(),
+                        serde_yaml::Value::Bool(b) => b.to_string(),
+                        other => panic!("unexpected YAML key {other:?}"),
+                    };
+                    (key, to_json(v))
+                })
+                .collect(),
+        ),
+        serde_yaml::Value::Tagged(tagged) => to_json(tagged.value),
+    }
+}
+
+/// The spec's operation for `method` on `path` (path without the server prefix).
+fn operation(path: &str, method: &str) -> Option<&'static Value> {
+    spec()["paths"].get(path)?.get(method.to_ascii_lowercase())
+}
+
+fn resolve<'a>(schema: &'a Value) -> &'a Value {
+    match schema.get("$ref").and_then(Value::as_str) {
+        Some(reference) => {
+            let name = reference
+                .strip_prefix("#/components/schemas/")
+                .unwrap_or_else(|| panic!("unsupported $ref {reference}"));
+            let target = spec()["components"]["schemas"]
+                .get(name)
+                .unwrap_or_else(|| panic!("$ref to a schema the spec lacks: {reference}"));
+            resolve(target)
+        }
+        None => schema,
+    }
+}
+
+const KEYWORDS: &[&str] = &[
+    "$ref",
+    "type",
+    "properties",
+    "required",
+    "enum",
+    "minimum",
+    "maximum",
+    "format",
+    "items",
+    "additionalProperties",
+    "minLength",
+    "default",
+    "description",
+    "deprecated",
+];
+
+/// Checks `value` against `schema`; the error names the JSON path and the rule.
+fn validate(schema: &Value, value: &Value, at: &str) -> Result<(), String> {
+    let schema = resolve(schema);
+    let rules = schema
+        .as_object()
+        .ok_or_else(|| format!("{at}: schema is not an object"))?;
+    if let Some(unknown) = rules.keys().find(|k| !KEYWORDS.contains(&k.as_str())) {
+        return Err(format!(
+            "{at}: the checker does not know schema keyword {unknown:?}"
+        ));
+    }
+    if let Some(allowed) = rules.get("enum").and_then(Value::as_array) {
+        if !allowed.contains(value) {
+            return Err(format!("{at}: {value} is not one of {allowed:?}"));
+        }
+    }
+    match rules.get("type").and_then(Value::as_str) {
+        None => {}
+        Some("object") => {
+            let object = value
+                .as_object()
+                .ok_or_else(|| format!("{at}: {value} is not an object"))?;
+            for required in rules
+                .get("required")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let name = required.as_str().unwrap_or_default();
+                if !object.contains_key(name) {
+                    return Err(format!("{at}: required property {name:?} is missing"));
+                }
+            }
+            let properties = rules.get("properties").and_then(Value::as_object);
+            for (name, item) in object {
+                match (
+                    properties.and_then(|p| p.get(name)),
+                    rules.get("additionalProperties"),
+                ) {
+                    (Some(property), _) => validate(property, item, &format!("{at}.{name}"))?,
+                    (None, Some(Value::Bool(true))) => {}
+                    (None, Some(extra)) if extra.is_object() => {
+                        validate(extra, item, &format!("{at}.{name}"))?
+                    }
+                    // Strict: a property the schema does not name is a misspelling.
+                    (None, _)
+                        if properties.is_some() || rules.get("additionalProperties").is_some() =>
+                    {
+                        return Err(format!("{at}: property {name:?} is not in the schema"))
+                    }
+                    // `type: object` with no properties at all: anything goes.
+                    (None, _) => {}
+                }
+            }
+        }
+        Some("array") => {
+            let items = value
+                .as_array()
+                .ok_or_else(|| format!("{at}: {value} is not an array"))?;
+            if let Some(item_schema) = rules.get("items") {
+                for (i, item) in items.iter().enumerate() {
+                    validate(item_schema, item, &format!("{at}[{i}]"))?;
+                }
+            }
+        }
+        Some("string") => {
+            let text = value
+                .as_str()
+                .ok_or_else(|| format!("{at}: {value} is not a string"))?;
+            if let Some(min) = rules.get("minLength").and_then(Value::as_u64) {
+                if (text.chars().count() as u64) < min {
+                    return Err(format!("{at}: {text:?} is shorter than {min}"));
+                }
+            }
+        }
+        Some("integer") => {
+            let n = value
+                .as_i64()
+                .map(i128::from)
+                .or_else(|| value.as_u64().map(i128::from))
+                .ok_or_else(|| format!("{at}: {value} is not an integer"))?;
+            let (lo, hi): (i128, i128) = match rules.get("format").and_then(Value::as_str) {
+                Some("int8") => (i8::MIN.into(), i8::MAX.into()),
+                Some("uint8") => (0, u8::MAX.into()),
+                Some("int16") => (i16::MIN.into(), i16::MAX.into()),
+                Some("uint16") => (0, u16::MAX.into()),
+                Some("int32") => (i32::MIN.into(), i32::MAX.into()),
+                Some("uint32") => (0, u32::MAX.into()),
+                Some("int64") => (i64::MIN.into(), i64::MAX.into()),
+                Some("uint64") | None => (i64::MIN.into(), u64::MAX.into()),
+                Some(other) => return Err(format!("{at}: unknown integer format {other}")),
+            };
+            if n < lo || n > hi {
+                return Err(format!("{at}: {n} is outside its format's range"));
+            }
+            if let Some(min) = rules.get("minimum").and_then(Value::as_i64) {
+                if n < min.into() {
+                    return Err(format!("{at}: {n} is below the minimum {min}"));
+                }
+            }
+            if let Some(max) = rules.get("maximum").and_then(Value::as_i64) {
+                if n > max.into() {
+                    return Err(format!("{at}: {n} is above the maximum {max}"));
+                }
+            }
+        }
+        Some("number") => {
+            value
+                .as_f64()
+                .ok_or_else(|| format!("{at}: {value} is not a number"))?;
+        }
+        Some("boolean") => {
+            value
+                .as_bool()
+                .ok_or_else(|| format!("{at}: {value} is not a boolean"))?;
+        }
+        Some(other) => return Err(format!("{at}: unknown type {other}")),
+    }
+    Ok(())
+}
+
+/// The smallest value the schema accepts: required properties only, the first enum value,
+/// the minimum of an integer.
+fn minimal(schema: &Value) -> Value {
+    let schema = resolve(schema);
+    if let Some(first) = schema
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|e| e.first())
+    {
+        return first.clone();
+    }
+    match schema.get("type").and_then(Value::as_str) {
+        Some("object") => {
+            let mut object = Map::new();
+            for required in schema
+                .get("required")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let name = required.as_str().unwrap();
+                object.insert(name.into(), minimal(&schema["properties"][name]));
+            }
+            Value::Object(object)
+        }
+        Some("array") => json!([]),
+        Some("string") => json!("x"),
+        Some("integer") => json!(schema.get("minimum").and_then(Value::as_i64).unwrap_or(0)),
+        Some("number") => json!(0.0),
+        Some("boolean") => json!(false),
+        _ => json!({}),
+    }
+}
+
+/// The JSON schema of `status`'s body for `endpoint`, if the spec gives one.
+fn response_schema(endpoint: Endpoint, status: u16) -> Option<&'static Value> {
+    operation(endpoint.path(), endpoint.method().as_str())?["responses"]
+        .get(status.to_string())?
+        .get("content")?
+        .get("application/json")?
+        .get("schema")
+}
+
+/// The statuses the spec lists for `endpoint`.
+fn spec_statuses(endpoint: Endpoint) -> BTreeSet<u16> {
+    let op = operation(endpoint.path(), endpoint.method().as_str()).unwrap_or_else(|| {
+        panic!(
+            "the backend uses {} {}, which the spec does not define",
+            endpoint.method(),
+            endpoint.path()
+        )
+    });
+    op["responses"]
+        .as_object()
+        .expect("responses")
+        .keys()
+        .map(|k| k.parse().expect("numeric status"))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// The recording server
+
+#[derive(Debug, Clone)]
+struct Recorded {
+    method: String,
+    path: String,
+    body: Option<Value>,
+}
+
+type Responder = dyn Fn(&str, Option<&Value>) -> (u16, Vec<u8>) + Send + Sync;
+
+struct FakeCh {
+    dir: tempfile::TempDir,
+    recorded: Arc<Mutex<Vec<Recorded>>>,
+    task: JoinHandle<()>,
+}
+
+impl FakeCh {
+    /// Serves on a fresh socket; `respond` gets the path under /api/v1 and the body.
+    fn start(
+        respond: impl Fn(&str, Option<&Value>) -> (u16, Vec<u8>) + Send + Sync + 'static,
+    ) -> FakeCh {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(dir.path().join("api.sock")).unwrap();
+        let recorded = Arc::new(Mutex::new(Vec::new()));
+        let respond: Arc<Responder> = Arc::new(respond);
+        let log = recorded.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let log = log.clone();
+                let respond = respond.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |request: hyper::Request<hyper::body::Incoming>| {
+                            let log = log.clone();
+                            let respond = respond.clone();
+                            async move {
+                                let method = request.method().to_string();
+                                let path = request.uri().path().to_string();
+                                let bytes = request.into_body().collect().await?.to_bytes();
+                                let body = (!bytes.is_empty()).then(|| {
+                                    serde_json::from_slice::<Value>(&bytes).unwrap_or_else(|e| {
+                                        panic!("the backend sent a body that is not JSON: {e}")
+                                    })
+                                });
+                                log.lock().unwrap().push(Recorded {
+                                    method,
+                                    path: path.clone(),
+                                    body: body.clone(),
+                                });
+                                let (status, answer) = match path.strip_prefix(PREFIX) {
+                                    Some(endpoint) => respond(endpoint, body.as_ref()),
+                                    None => (404, b"[\"no such path\"]".to_vec()),
+                                };
+                                let mut response =
+                                    hyper::Response::new(Full::new(Bytes::from(answer)));
+                                *response.status_mut() =
+                                    hyper::StatusCode::from_u16(status).unwrap();
+                                Ok::<_, hyper::Error>(response)
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        FakeCh {
+            dir,
+            recorded,
+            task,
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("api.sock")
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn config(&self) -> ChConfig {
+        let mut config = ChConfig::new(self.socket());
+        config.answer_timeout = Duration::from_secs(5);
+        config.poll_interval = Duration::from_millis(10);
+        config
+    }
+
+    fn recorded(&self) -> Vec<Recorded> {
+        self.recorded.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FakeCh {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A body the spec allows for `status` of `endpoint`: a generated minimal instance of its
+/// schema for a success with content, the error chain for a failure, nothing otherwise.
+fn spec_body(endpoint: Endpoint, status: u16) -> Vec<u8> {
+    match response_schema(endpoint, status) {
+        Some(schema) => serde_json::to_vec(&minimal(schema)).unwrap(),
+        None if status >= 400 => {
+            serde_json::to_vec(&json!(["Error from API", format!("marker {status}")])).unwrap()
+        }
+        None => Vec::new(),
+    }
+}
+
+fn endpoint_of(path: &str) -> Endpoint {
+    *Endpoint::ALL
+        .iter()
+        .find(|e| e.path() == path)
+        .unwrap_or_else(|| panic!("the backend called {path}, which it does not declare"))
+}
+
+/// Answers every call with its spec's first success status and a spec-made body; `vm.info`
+/// can be given a state and devices (checked against the spec).
+fn successful(path: &str, _body: Option<&Value>) -> (u16, Vec<u8>) {
+    let endpoint = endpoint_of(path);
+    let status = *spec_statuses(endpoint)
+        .iter()
+        .find(|s| (200..300).contains(*s))
+        .unwrap();
+    (status, spec_body(endpoint, status))
+}
+
+fn vm_info(state: &str, devices: &[&str]) -> Vec<u8> {
+    let mut info = minimal(response_schema(Endpoint::VmInfo, 200).unwrap());
+    info["state"] = json!(state);
+    let tree: Map<String, Value> = devices
+        .iter()
+        .map(|id| {
+            (
+                id.to_string(),
+                json!({"id": id, "children": [], "pci_bdf": "0000:00:04.0"}),
+            )
+        })
+        .collect();
+    info["device_tree"] = Value::Object(tree);
+    validate(
+        response_schema(Endpoint::VmInfo, 200).unwrap(),
+        &info,
+        "VmInfo",
+    )
+    .expect("the fake vm.info is what the spec allows");
+    serde_json::to_vec(&info).unwrap()
+}
+
+/// Every recorded request is on a spec path with a body its schema accepts.
+fn check_against_spec(recorded: &[Recorded]) {
+    assert!(!recorded.is_empty());
+    for request in recorded {
+        let path = request
+            .path
+            .strip_prefix(PREFIX)
+            .unwrap_or_else(|| panic!("{} is not under {PREFIX}", request.path));
+        let op = operation(path, &request.method).unwrap_or_else(|| {
+            panic!(
+                "the backend sent {} {}, which the spec does not define",
+                request.method, request.path
+            )
+        });
+        let schema = op
+            .get("requestBody")
+            .and_then(|b| b.get("content"))
+            .and_then(|c| c.get("application/json"))
+            .and_then(|j| j.get("schema"));
+        match (&request.body, schema) {
+            (Some(body), Some(schema)) => {
+                if let Err(e) = validate(schema, body, "body") {
+                    panic!("{} {} with {body}: {e}", request.method, request.path);
+                }
+            }
+            (Some(body), None) => panic!(
+                "{} {} takes no body, the backend sent {body}",
+                request.method, request.path
+            ),
+            (None, Some(_)) => {
+                let required = op["requestBody"]["required"].as_bool().unwrap_or(false);
+                assert!(
+                    !required,
+                    "{} {} requires a body, the backend sent none",
+                    request.method, request.path
+                );
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests
+
+#[test]
+fn the_checker_rejects_what_the_spec_rejects() {
+    // The oracle itself must be able to fail: bodies Cloud Hypervisor would refuse.
+    let send = &operation("/vm.send-migration", "put").unwrap()["requestBody"]["content"]
+        ["application/json"]["schema"];
+    assert!(validate(send, &json!({"destination_url": "unix:/x"}), "b").is_ok());
+    for bad in [
+        json!({}),
+        json!({"destination_url": 3}),
+        json!({"destination_url": "unix:/x", "downtime_ms": 0}),
+        json!({"destination_url": "unix:/x", "timeout_strategy": "cancel"}),
+        json!({"destination_url": "unix:/x", "connections": 129}),
+        json!({"destination_url": "unix:/x", "destnation": "typo"}),
+    ] {
+        assert!(validate(send, &bad, "b").is_err(), "{bad}");
+    }
+    let vsock = &operation("/vm.add-vsock", "put").unwrap()["requestBody"]["content"]
+        ["application/json"]["schema"];
+    assert!(validate(vsock, &json!({"cid": 2, "socket": "/s"}), "b").is_err());
+    assert!(validate(
+        vsock,
+        &json!({"cid": 3, "socket": "/s", "pci_device_id": 256}),
+        "b"
+    )
+    .is_err());
+}
+
+#[test]
+fn every_endpoint_is_in_the_spec_with_exactly_the_statuses_the_backend_handles() {
+    for endpoint in Endpoint::ALL {
+        let listed = spec_statuses(endpoint);
+        let handled: BTreeSet<u16> = endpoint.statuses().iter().copied().collect();
+        assert_eq!(
+            listed,
+            handled,
+            "{} {}: statuses in the spec vs handled by the backend",
+            endpoint.method(),
+            endpoint.path()
+        );
+    }
+}
+
+/// A valid body for endpoints that take one.
+fn sample_request(endpoint: Endpoint) -> Option<Request> {
+    Some(match endpoint {
+        Endpoint::VmAddDevice => Request::AddDevice {
+            path: "/sys/bus/pci/devices/0000:00:02.0".into(),
+            id: "vf0".into(),
+        },
+        Endpoint::VmRemoveDevice => Request::RemoveDevice { id: "vf0".into() },
+        Endpoint::VmAddVsock => Request::AddVsock {
+            cid: 3,
+            socket: "/run/vm.vsock".into(),
+            id: None,
+        },
+        Endpoint::VmSendMigration => Request::SendMigration {
+            destination_url: "unix:/run/mig.sock".into(),
+            local: false,
+            downtime_ms: None,
+            timeout_s: None,
+            timeout_strategy: None,
+        },
+        Endpoint::VmReceiveMigration => Request::ReceiveMigration {
+            receiver_url: "unix:/run/mig.sock".into(),
+            tls_dir: None,
+        },
+        _ => return None,
+    })
+}
+
+#[tokio::test]
+async fn every_status_the_spec_lists_is_handled_with_its_message() {
+    let answer: Arc<Mutex<u16>> = Arc::new(Mutex::new(200));
+    let current = answer.clone();
+    let fake = FakeCh::start(move |path, _| {
+        let status = *current.lock().unwrap();
+        (status, spec_body(endpoint_of(path), status))
+    });
+    let client = ApiClient::new(fake.socket(), Duration::from_secs(5));
+    let mut checked = 0;
+    for endpoint in Endpoint::ALL {
+        for status in spec_statuses(endpoint) {
+            *answer.lock().unwrap() = status;
+            let request = sample_request(endpoint);
+            let result = client.call(endpoint, request.as_ref()).await;
+            let what = format!(
+                "{} {} answered {status}",
+                endpoint.method(),
+                endpoint.path()
+            );
+            if (200..300).contains(&status) {
+                let body = result.unwrap_or_else(|e| panic!("{what}: {e}"));
+                if let Some(schema) = response_schema(endpoint, status) {
+                    let value: Value = serde_json::from_slice(&body).unwrap();
+                    validate(schema, &value, "answer").unwrap();
+                }
+            } else {
+                let err = result.expect_err(&what);
+                match &err {
+                    ApiError::Status {
+                        status: got,
+                        message,
+                        outcome,
+                        ..
+                    } => {
+                        assert_eq!(*got, status, "{what}");
+                        assert_eq!(
+                            message,
+                            &format!("Error from API: marker {status}"),
+                            "{what}: the error chain is carried"
+                        );
+                        assert_eq!(Some(*outcome), classify(endpoint, status));
+                    }
+                    other => panic!("{what}: not a status error: {other}"),
+                }
+                let kind = err.into_vmm("obj");
+                match status {
+                    404 => assert!(matches!(kind, VmmError::NotFound { .. }), "{what}: {kind}"),
+                    409 => assert!(matches!(kind, VmmError::Conflict { .. }), "{what}: {kind}"),
+                    _ => assert!(
+                        matches!(&kind, VmmError::Refused { class, .. } if class == &format!("HTTP {status}")),
+                        "{what}: {kind}"
+                    ),
+                }
+                assert!(
+                    kind.to_string().contains(&format!("marker {status}")),
+                    "{kind}"
+                );
+            }
+            checked += 1;
+        }
+        // A status the spec does not list is a protocol error, never success.
+        *answer.lock().unwrap() = 418;
+        let err = client
+            .call(endpoint, sample_request(endpoint).as_ref())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ApiError::Unexpected { .. }), "{err}");
+    }
+    assert!(checked >= 20, "{checked} statuses checked");
+    check_against_spec(&fake.recorded());
+}
+
+#[tokio::test]
+async fn every_request_the_backend_sends_matches_the_spec() {
+    let fake = FakeCh::start(successful);
+    let mut config = fake.config();
+    let vmm = ChVmm::connect(config.clone()).await.unwrap();
+    vmm.status().await.unwrap();
+    vmm.pause().await.unwrap();
+    vmm.resume().await.unwrap();
+    let vf = DeviceSpec::parse("driver=vfio-pci,host=0000:3b:02.1,id=vf1").unwrap();
+    let added = vmm.add_device(&vf).await.unwrap();
+    assert_eq!(
+        added.bdf.as_deref(),
+        Some("x"),
+        "PciDeviceInfo.bdf as the spec made it"
+    );
+    assert!(!vmm.has_device("vf1").await.unwrap());
+    vmm.remove_device("vf0", Duration::from_secs(1))
+        .await
+        .unwrap();
+    vmm.add_vsock(3, &fake.path("vm.vsock"), None)
+        .await
+        .unwrap();
+    vmm.add_vsock(4, &fake.path("vm.vsock"), Some("vsock0"))
+        .await
+        .unwrap();
+    for limits in [
+        MigrationLimits::default(),
+        MigrationLimits {
+            downtime: Some(Duration::from_millis(250)),
+            timeout: Some(Duration::from_secs(60)),
+        },
+        MigrationLimits {
+            downtime: Some(Duration::from_micros(10)),
+            timeout: Some(Duration::from_millis(10)),
+        },
+    ] {
+        vmm.send_migration("tcp:127.0.0.1:6000", &limits)
+            .await
+            .unwrap();
+    }
+    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.wait_received(Duration::from_secs(5)).await.unwrap();
+    vmm.quit().await.unwrap();
+    // The variants a configuration changes: local migration, TLS on receive.
+    config.local = true;
+    config.tls_dir = Some(fake.path("tls"));
+    let local = ChVmm::connect(config).await.unwrap();
+    local
+        .send_migration("unix:/run/mig.sock", &MigrationLimits::default())
+        .await
+        .unwrap();
+    local.prepare_incoming("tcp:127.0.0.1:6001").await.unwrap();
+    local.wait_received(Duration::from_secs(5)).await.unwrap();
+
+    let recorded = fake.recorded();
+    check_against_spec(&recorded);
+    let used: BTreeSet<&str> = recorded.iter().map(|r| r.path.as_str()).collect();
+    for endpoint in Endpoint::ALL {
+        assert!(
+            used.contains(format!("{PREFIX}{}", endpoint.path()).as_str()),
+            "{} was never exercised",
+            endpoint.path()
+        );
+    }
+    let bodies: Vec<&Value> = recorded.iter().filter_map(|r| r.body.as_ref()).collect();
+    assert!(bodies.contains(&&json!({"path": "/sys/bus/pci/devices/0000:3b:02.1", "id": "vf1"})));
+    assert!(bodies.contains(
+        &&json!({"destination_url": "tcp:127.0.0.1:6000", "local": false,
+        "downtime_ms": 250, "timeout_s": 60, "timeout_strategy": "Cancel"})
+    ));
+}
+
+#[tokio::test]
+async fn a_204_from_send_migration_is_not_success() {
+    // No event monitor: the VM stays on the source (what a failed migration leaves), so the
+    // wait ends at its deadline, never in success.
+    let fake = FakeCh::start(|path, body| match path {
+        "/vm.info" => (200, vm_info("Running", &[])),
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    vmm.send_migration("unix:/nowhere", &MigrationLimits::default())
+        .await
+        .unwrap();
+    let mut samples = Vec::new();
+    let err = vmm
+        .wait_migration(Duration::from_millis(300), &mut |p| {
+            samples.push(p.status.clone())
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, VmmError::TimedOut { .. }), "{err}");
+    assert!(samples.iter().all(|s| *s == MigrationStatus::Active));
+    check_against_spec(&fake.recorded());
+}
+
+#[tokio::test]
+async fn the_source_losing_the_vm_confirms_the_migration() {
+    let gone = Arc::new(Mutex::new(false));
+    let flag = gone.clone();
+    let fake = FakeCh::start(move |path, body| match path {
+        "/vm.info" if *flag.lock().unwrap() => (404, spec_body(Endpoint::VmInfo, 404)),
+        "/vm.info" => (200, vm_info("Running", &[])),
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    vmm.send_migration("unix:/dst", &MigrationLimits::default())
+        .await
+        .unwrap();
+    let mut samples = 0;
+    let early = vmm
+        .wait_migration(Duration::from_millis(100), &mut |_| samples += 1)
+        .await;
+    assert!(early.is_err());
+    *gone.lock().unwrap() = true;
+    let done = vmm
+        .wait_migration(Duration::from_secs(5), &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(done.status, MigrationStatus::Completed);
+    assert!(samples > 0);
+}
+
+fn write_event(path: &Path, event: &str) {
+    let text = serde_json::to_string_pretty(&json!({
+        "timestamp": {"secs": 1, "nanos": 2}, "source": "vm", "event": event, "properties": null
+    }))
+    .unwrap();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
+}
+
+#[tokio::test]
+async fn the_event_monitor_tells_failure_from_success() {
+    let fake = FakeCh::start(successful);
+    let events = fake.path("events.json");
+    // An earlier migration's outcome is not this one's.
+    write_event(&events, "migration-finished");
+    let mut config = fake.config();
+    config.event_monitor = Some(events.clone());
+    let vmm = ChVmm::connect(config).await.unwrap();
+
+    vmm.send_migration("unix:/dst", &MigrationLimits::default())
+        .await
+        .unwrap();
+    write_event(&events, "migration-started");
+    write_event(&events, "migration-memory-iteration");
+    write_event(&events, "migration-failed");
+    write_event(&events, "resumed");
+    let mut statuses = Vec::new();
+    let err = vmm
+        .wait_migration(Duration::from_secs(5), &mut |p| {
+            statuses.push(p.status.clone())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            VmmError::MigrationFailed {
+                status: MigrationStatus::Failed,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        statuses,
+        [
+            MigrationStatus::Active,
+            MigrationStatus::Active,
+            MigrationStatus::Failed
+        ]
+    );
+
+    vmm.send_migration("unix:/dst", &MigrationLimits::default())
+        .await
+        .unwrap();
+    let mut ignore = |_: &rdmamig_vmm::MigrationProgress| {};
+    let wait = vmm.wait_migration(Duration::from_secs(5), &mut ignore);
+    let writer = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        write_event(&events, "migration-started");
+        write_event(&events, "paused");
+        write_event(&events, "migration-finished");
+    };
+    let (done, ()) = tokio::join!(wait, writer);
+    assert_eq!(done.unwrap().status, MigrationStatus::Completed);
+}
+
+#[tokio::test]
+async fn a_failed_receive_carries_the_chain() {
+    let fake = FakeCh::start(|path, body| {
+        match path {
+        "/vm.receive-migration" => (
+            500,
+            br#"["Error from API","Error receiving migration","Socket error","failed to fill whole buffer"]"#.to_vec(),
+        ),
+        _ => successful(path, body),
+    }
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    let err = vmm.wait_received(Duration::from_secs(5)).await.unwrap_err();
+    assert!(
+        matches!(&err, VmmError::MigrationFailed { reason, .. } if reason.ends_with("Socket error: failed to fill whole buffer")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_device_the_guest_keeps_misses_the_deadline_and_is_asked_once() {
+    let fake = FakeCh::start(|path, body| match path {
+        "/vm.info" => (200, vm_info("Running", &["vf0"])),
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let err = vmm
+        .remove_device("vf0", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::DeviceNotReleased { device, .. } if device == "vf0"),
+        "{err}"
+    );
+    vmm.remove_device("vf0", Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    let asks = fake
+        .recorded()
+        .iter()
+        .filter(|r| r.path.ends_with("/vm.remove-device"))
+        .count();
+    assert_eq!(asks, 1, "a second remove only waits");
+    assert!(vmm.has_device("vf0").await.unwrap());
+}
+
+#[tokio::test]
+async fn errors_name_the_object_and_a_dead_socket_is_a_connect_error() {
+    let fake = FakeCh::start(|path, body| {
+        match path {
+        "/vm.add-device" => (409, spec_body(Endpoint::VmAddDevice, 409)),
+        "/vm.remove-device" => (
+            404,
+            br#"["Error from API","The device could not be removed from the VM","Error from device manager","Failed to find device corresponding to the given identifier: nope"]"#.to_vec(),
+        ),
+        _ => successful(path, body),
+    }
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let vf = DeviceSpec::parse("driver=vfio-pci,host=0000:3b:02.1,id=vf1").unwrap();
+    let err = vmm.add_device(&vf).await.unwrap_err();
+    assert!(
+        matches!(&err, VmmError::Conflict { object, .. } if object == "vf1"),
+        "{err}"
+    );
+    let err = vmm
+        .remove_device("nope", Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::NotFound { object, message, .. }
+            if object == "nope" && message.ends_with("given identifier: nope")),
+        "{err}"
+    );
+    let nic = DeviceSpec::parse("driver=virtio-net-pci,id=n1").unwrap();
+    assert!(matches!(
+        vmm.add_device(&nic).await.unwrap_err(),
+        VmmError::Unsupported { .. }
+    ));
+    assert!(matches!(
+        vmm.cancel_migration().await.unwrap_err(),
+        VmmError::Unsupported { .. }
+    ));
+    assert!(matches!(
+        vmm.open_agent_channel().await.err(),
+        Some(VmmError::NoAgentChannel)
+    ));
+    check_against_spec(&fake.recorded());
+
+    let missing = ChConfig::new(fake.path("no-such.sock"));
+    assert!(matches!(
+        ChVmm::connect(missing).await.unwrap_err(),
+        VmmError::Connect { .. }
+    ));
+}
