@@ -234,17 +234,43 @@ enum Endpoint {
     Plain(PlainEndpoint),
 }
 
+/// An error of the connection, as the report shows it, and whether the connection is done
+/// for (a migratable connection that failed or was closed never recovers; a plain one
+/// reconnects on its own).
+struct EndpointError {
+    text: String,
+    fatal: bool,
+    peer_closed: bool,
+}
+
+impl From<ConnError> for EndpointError {
+    fn from(e: ConnError) -> Self {
+        let peer_closed = matches!(e, ConnError::PeerClosed { .. });
+        let fatal =
+            matches!(e, ConnError::Failed { .. } | ConnError::InvalidState { .. }) || peer_closed;
+        EndpointError {
+            text: crate::conn::error_chain(&e),
+            fatal,
+            peer_closed,
+        }
+    }
+}
+
 impl Endpoint {
-    fn send(&self, m: &[u8]) -> Result<(), String> {
+    fn send(&self, m: &[u8]) -> Result<(), EndpointError> {
         match self {
-            Endpoint::Migratable(c, _) => c.send(m).map_err(|e| e.to_string()),
-            Endpoint::Plain(p) => p.send(m).map_err(|e| e.to_string()),
+            Endpoint::Migratable(c, _) => c.send(m).map_err(EndpointError::from),
+            Endpoint::Plain(p) => p.send(m).map_err(|e| EndpointError {
+                text: e.to_string(),
+                fatal: false,
+                peer_closed: false,
+            }),
         }
     }
 
-    fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
+    fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, EndpointError> {
         match self {
-            Endpoint::Migratable(c, _) => c.recv(timeout).map_err(|e| e.to_string()),
+            Endpoint::Migratable(c, _) => c.recv(timeout).map_err(EndpointError::from),
             Endpoint::Plain(p) => Ok(p.recv(timeout)),
         }
     }
@@ -358,10 +384,8 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
                 sent.store(n, Ordering::Relaxed);
                 if let Err(e) = ep.send(&m) {
                     fails.fetch_add(1, Ordering::Relaxed);
-                    errors.add(format!("send: {e}"));
-                    if matches!(&*ep, Endpoint::Migratable(..))
-                        && (e.contains("failed") || e.contains("closed"))
-                    {
+                    errors.add(format!("send: {}", e.text));
+                    if e.fatal {
                         break;
                     }
                 }
@@ -389,11 +413,11 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
                     },
                     Ok(None) => {}
                     // A clean close by the peer (after its flush): the stream simply ends.
-                    Err(e) if e.contains("was closed by the peer") => {
+                    Err(e) if e.peer_closed => {
                         std::thread::sleep(Duration::from_millis(100));
                     }
                     Err(e) => {
-                        errors.add(format!("recv: {e}"));
+                        errors.add(format!("recv: {}", e.text));
                         std::thread::sleep(Duration::from_millis(100));
                     }
                 }
@@ -431,7 +455,7 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
     };
     if let Endpoint::Migratable(c, _) = &*ep {
         if let Err(e) = c.close() {
-            errors.add(format!("close: {e}"));
+            errors.add(format!("close: {}", crate::conn::error_chain(&e)));
         }
     }
     let t = tracker.lock().unwrap_or_else(|p| p.into_inner());

@@ -9,6 +9,7 @@
 //! - [`qmp`]: a minimal QMP client for the harness's own checks.
 //! - [`netns`]: the namespace, bridge and taps.
 //! - [`scenario`]: the move scenario the demo and the end-to-end tests run.
+//! - [`steps`]: steps the connection tests share (traffic, agent control, NIC swaps).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -28,6 +29,7 @@ pub mod guest;
 pub mod netns;
 pub mod qmp;
 pub mod scenario;
+pub mod steps;
 pub mod testbed;
 
 /// Formats an error with its chain of causes, one per line, for test failure messages.

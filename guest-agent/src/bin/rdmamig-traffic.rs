@@ -74,6 +74,17 @@ enum Cmd {
         #[arg(value_parser = ["describe", "quiesce", "resume"])]
         op: String,
     },
+    /// Send a RESUME for an existing connection with a token of our own (a random one by
+    /// default) and print how the listener answered, as JSON: a wrong token must be refused
+    /// with BadToken and must not disturb the connection.
+    ProbeResume {
+        /// The listener's address.
+        #[arg(long)]
+        to: SocketAddr,
+        /// The connection id to name (decimal, as `ctl describe` prints it).
+        #[arg(long)]
+        conn_id: u64,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -131,6 +142,14 @@ fn main() {
             wait_ms,
             op,
         } => ctl(&socket, &op, deadline_ms, wait_ms),
+        Cmd::ProbeResume { to, conn_id } => {
+            let answer = rdmamig_guest::conn::probe_resume(to, conn_id, rand::random());
+            println!(
+                "{}",
+                serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })
+            );
+            0
+        }
     };
     std::process::exit(code);
 }

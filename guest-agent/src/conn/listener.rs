@@ -297,8 +297,9 @@ impl ListenerThread {
                         if resume.as_ref().is_some_and(|(d, _)| now >= *d) {
                             let (_, reply) = resume.take().expect("checked");
                             let _ = reply.send(Err(format!(
-                                "re-listening on {} failed until the deadline: {e}",
-                                self.addr
+                                "re-listening on {} failed until the deadline: {}",
+                                self.addr,
+                                worker::error_chain(&e)
                             )));
                         }
                     }

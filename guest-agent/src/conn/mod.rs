@@ -18,7 +18,9 @@
 //! ```
 
 mod credits;
+mod failure;
 mod listener;
+mod probe;
 pub mod wire;
 pub(crate) mod worker;
 
@@ -33,7 +35,10 @@ use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
 use rdmamig_proto::ConnectionId;
 use thiserror::Error;
 
+pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;
+pub use probe::{probe_resume, ProbeAnswer};
+pub use wire::RejectReason;
 
 use crate::registry::{self, Migratable};
 use crate::verbs::{CmId, VerbsError};
@@ -88,24 +93,29 @@ impl Default for ConnectOptions {
 /// Errors of the migratable connection.
 #[derive(Debug, Error)]
 pub enum ConnError {
-    /// The connection was closed by this side.
-    #[error("connection {id:016x} is closed")]
-    Closed {
-        /// The connection.
-        id: ConnectionId,
-    },
     /// The peer closed the connection (and everything it sent has been received).
     #[error("connection {id:016x} was closed by the peer")]
     PeerClosed {
         /// The connection.
         id: ConnectionId,
     },
-    /// The connection failed for good.
-    #[error("connection {id:016x} failed: {reason}")]
+    /// The connection failed for good; every pending and later operation reports this.
+    #[error("connection {id:016x} failed")]
     Failed {
         /// The connection.
         id: ConnectionId,
         /// What happened.
+        #[source]
+        cause: Failure,
+    },
+    /// A quiesce, resume or close did not complete.
+    #[error("{op} of connection {id:016x} failed: {reason}")]
+    Control {
+        /// The connection.
+        id: ConnectionId,
+        /// quiesce, resume or close.
+        op: &'static str,
+        /// Why (names the deadline when one passed).
         reason: String,
     },
     /// Connecting did not succeed before the connect deadline.
@@ -119,12 +129,12 @@ pub enum ConnError {
         last: String,
     },
     /// The peer refused the connection.
-    #[error("{peer} rejected the connection: {reason}")]
+    #[error("{peer} rejected the connection: {reason:?}")]
     Rejected {
         /// The peer.
         peer: SocketAddr,
         /// Why.
-        reason: String,
+        reason: RejectReason,
     },
     /// `send` found the outbox full until its deadline.
     #[error(
@@ -192,6 +202,11 @@ pub enum ConnError {
     },
 }
 
+/// An error and its causes on one line (`a: b: c`), as tools print it.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    worker::error_chain(e)
+}
+
 /// Counters of one connection, for tools and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnStats {
@@ -219,7 +234,9 @@ pub(crate) struct State {
     /// Highest sequence number ever posted on any QP (re-sends up to it are replays).
     pub(crate) max_posted: u64,
     /// Why the connection failed, once it has.
-    pub(crate) failure: Option<String>,
+    pub(crate) failure: Option<Failure>,
+    /// The application called `close`.
+    pub(crate) closed_by_app: bool,
     /// The peer closed.
     pub(crate) peer_closed: bool,
     pub(crate) local: String,
@@ -283,6 +300,7 @@ impl ConnShared {
                 last_received: 0,
                 max_posted: 0,
                 failure: None,
+                closed_by_app: false,
                 peer_closed: false,
                 local: String::new(),
                 peer: String::new(),
@@ -447,7 +465,7 @@ impl Connection {
         let deadline = Instant::now() + opts.send_timeout;
         let mut st = self.shared.lock();
         loop {
-            self.check_usable(&st)?;
+            self.check_usable(&st, "send")?;
             if st.outbox.len() < opts.max_outbox {
                 break;
             }
@@ -474,19 +492,19 @@ impl Connection {
         Ok(())
     }
 
-    fn check_usable(&self, st: &State) -> Result<(), ConnError> {
+    fn check_usable(&self, st: &State, op: &'static str) -> Result<(), ConnError> {
         let id = self.shared.id;
-        if let Some(reason) = &st.failure {
-            return Err(ConnError::Failed {
+        if st.closed_by_app {
+            return Err(ConnError::InvalidState {
                 id,
-                reason: reason.clone(),
+                op,
+                state: ConnectionState::Closed,
             });
         }
-        if st.conn_state == ConnectionState::Closed {
-            return Err(if st.peer_closed {
-                ConnError::PeerClosed { id }
-            } else {
-                ConnError::Closed { id }
+        if let Some(cause) = &st.failure {
+            return Err(ConnError::Failed {
+                id,
+                cause: cause.clone(),
             });
         }
         if st.peer_closed {
@@ -503,7 +521,7 @@ impl Connection {
             if let Some(msg) = st.inbox.pop_front() {
                 return Ok(Some(msg));
             }
-            self.check_usable(&st)?;
+            self.check_usable(&st, "recv")?;
             let now = Instant::now();
             if now >= deadline {
                 return Ok(None);
@@ -549,38 +567,50 @@ impl Connection {
 
     /// Quiesces this connection (as the agent would): see the module docs.
     pub fn quiesce(&self, timeout: Duration) -> Result<(), ConnError> {
-        self.shared
-            .quiesce(Instant::now() + timeout)
-            .map_err(|reason| ConnError::Failed {
-                id: self.shared.id,
-                reason: format!("quiesce: {reason}"),
-            })
+        self.control("quiesce", timeout, |sh, d| sh.quiesce(d))
     }
 
     /// Resumes this connection (as the agent would).
     pub fn resume(&self, timeout: Duration) -> Result<(), ConnError> {
-        self.shared
-            .resume(Instant::now() + timeout)
-            .map_err(|reason| ConnError::Failed {
-                id: self.shared.id,
-                reason: format!("resume: {reason}"),
-            })
+        self.control("resume", timeout, |sh, d| sh.resume(d))
+    }
+
+    fn control(
+        &self,
+        op: &'static str,
+        timeout: Duration,
+        f: impl FnOnce(&ConnShared, Instant) -> Result<(), String>,
+    ) -> Result<(), ConnError> {
+        self.check_usable(&self.shared.lock(), op)?;
+        f(&self.shared, Instant::now() + timeout).map_err(|reason| ConnError::Control {
+            id: self.shared.id,
+            op,
+            reason,
+        })
     }
 
     /// Closes the connection: waits (up to 2 s) for the outbox to be acknowledged, tells the
-    /// peer, disconnects and releases everything.
+    /// peer, disconnects and releases everything. A second close is an
+    /// [`ConnError::InvalidState`], as are `send` and `recv` after it.
     pub fn close(&self) -> Result<(), ConnError> {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        match self
-            .shared
-            .request(|reply| Command::Close { deadline, reply }, deadline)
-        {
-            Ok(()) => Ok(()),
-            Err(reason) => Err(ConnError::Failed {
+        let mut st = self.shared.lock();
+        if st.closed_by_app {
+            return Err(ConnError::InvalidState {
                 id: self.shared.id,
-                reason: format!("close: {reason}"),
-            }),
+                op: "close",
+                state: ConnectionState::Closed,
+            });
         }
+        st.closed_by_app = true;
+        drop(st);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        self.shared
+            .request(|reply| Command::Close { deadline, reply }, deadline)
+            .map_err(|reason| ConnError::Control {
+                id: self.shared.id,
+                op: "close",
+                reason,
+            })
     }
 }
 

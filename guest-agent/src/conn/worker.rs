@@ -14,7 +14,7 @@ use super::credits::{classify, Arrival, Credits};
 use super::wire::{
     Accept, Header, Hello, Kind, PrivateData, Reject, RejectReason, FLAG_MOVING, HEADER_LEN,
 };
-use super::{Command, ConnError, ConnShared};
+use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
 use crate::verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
     EventChannel, MemoryRegion, ProtectionDomain, QpCaps, VerbsError, WorkCompletion,
@@ -80,6 +80,7 @@ pub(crate) fn spawn(
                 next_attempt: Instant::now(),
                 last_refresh: Instant::now(),
                 last_error: String::new(),
+                last_link: None,
                 slot,
                 wcs: Vec::with_capacity(64),
                 done: false,
@@ -250,6 +251,8 @@ struct Worker {
     next_attempt: Instant,
     last_refresh: Instant,
     last_error: String,
+    /// The link event that started the current wait for the peer.
+    last_link: Option<LinkEvent>,
     slot: usize,
     wcs: Vec<WorkCompletion>,
     done: bool,
@@ -257,13 +260,14 @@ struct Worker {
 
 /// Why a connect attempt failed.
 struct AttemptError {
-    permanent: bool,
+    /// The peer refused for good (retrying cannot help).
+    refused: Option<RejectReason>,
     msg: String,
 }
 
 fn transient(msg: impl Into<String>) -> AttemptError {
     AttemptError {
-        permanent: false,
+        refused: None,
         msg: msg.into(),
     }
 }
@@ -310,12 +314,9 @@ impl Worker {
                             let _ = ready.send(Ok(()));
                             return;
                         }
-                        Err(e) if e.permanent || Instant::now() >= deadline => {
-                            let err = if e.permanent {
-                                ConnError::Rejected {
-                                    peer,
-                                    reason: e.msg.clone(),
-                                }
+                        Err(e) if e.refused.is_some() || Instant::now() >= deadline => {
+                            let err = if let Some(reason) = e.refused {
+                                ConnError::Rejected { peer, reason }
                             } else {
                                 ConnError::ConnectTimedOut {
                                     peer,
@@ -324,7 +325,7 @@ impl Worker {
                                 }
                             };
                             let _ = ready.send(Err(err));
-                            self.fail(format!("connect failed: {}", e.msg));
+                            self.fail(Failure::Setup(format!("connect: {}", e.msg)));
                             return;
                         }
                         Err(e) => {
@@ -340,7 +341,7 @@ impl Worker {
                 on_ready,
             } => match self.accept_on(id, &hello) {
                 Ok(()) => on_ready(self.sh.clone()),
-                Err(e) => self.fail(format!("accept failed: {}", e.msg)),
+                Err(e) => self.fail(Failure::Setup(format!("accept: {}", e.msg))),
             },
         }
     }
@@ -460,7 +461,7 @@ impl Worker {
         }
         if self.link.is_some() {
             self.link_lost(
-                "the peer reconnected while the link looked up".into(),
+                LinkEvent::Protocol("the peer reconnected while the link looked up".into()),
                 false,
             );
         }
@@ -537,18 +538,19 @@ impl Worker {
                     Ok(())
                 }
                 other => Err(AttemptError {
-                    permanent: true,
+                    refused: Some(RejectReason::Other),
                     msg: format!("the peer accepted with an unexpected reply: {other:?}"),
                 }),
             },
             CmEventKind::Rejected => match PrivateData::decode(&ev.private_data) {
                 Ok(PrivateData::Reject(r)) => Err(AttemptError {
-                    permanent: matches!(
+                    refused: matches!(
                         r.reason,
                         RejectReason::UnknownConnection
                             | RejectReason::BadToken
                             | RejectReason::Gone
-                    ),
+                    )
+                    .then_some(r.reason),
                     msg: format!("rejected by the peer: {:?}", r.reason),
                 }),
                 _ => Err(transient(format!(
@@ -618,6 +620,7 @@ impl Worker {
         self.sh.cond.notify_all();
         self.down = Down::None;
         self.last_error.clear();
+        self.last_link = None;
         if let Some((_, r)) = self.resume_op.take() {
             let _ = r.send(Ok(()));
         }
@@ -651,10 +654,10 @@ impl Worker {
                         || link.close_sent
                         || link.disconnecting.is_some()
                         || self.sh.lock().peer_closed;
-                    self.link_lost("the peer disconnected".into(), expected);
+                    self.link_lost(LinkEvent::PeerDisconnected, expected);
                 }
                 CmEventKind::DeviceRemoval => {
-                    self.link_lost("the RDMA device was removed".into(), false);
+                    self.link_lost(LinkEvent::DeviceRemoved, false);
                 }
                 _ => {}
             }
@@ -666,7 +669,7 @@ impl Worker {
         if let Err(e) = link.ep.cq.ack_events() {
             tracing::warn!(error = %e, "reading CQ events failed");
         }
-        let mut failure: Option<String> = None;
+        let mut failure: Option<LinkEvent> = None;
         let mut armed = false;
         loop {
             self.wcs.clear();
@@ -675,7 +678,7 @@ impl Worker {
                 Ok(0) if armed => break,
                 Ok(0) => {
                     if let Err(e) = link.ep.cq.req_notify() {
-                        failure = Some(error_chain(&e));
+                        failure = Some(LinkEvent::Local(error_chain(&e)));
                         break;
                     }
                     armed = true;
@@ -683,7 +686,7 @@ impl Worker {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    failure = Some(error_chain(&e));
+                    failure = Some(LinkEvent::Local(error_chain(&e)));
                     break;
                 }
             }
@@ -718,14 +721,14 @@ impl Worker {
         let now = Instant::now();
         let Some(link) = &mut self.link else { return };
         let last_received = self.sh.lock().last_received;
-        let mut failure = None;
+        let mut failure: Option<LinkEvent> = None;
         if link.owe_pause_ack && link.can_post_control() {
             match link.post(Kind::PauseAck, 0, 0, &[], last_received) {
                 Ok(()) => {
                     link.owe_pause_ack = false;
                     link.pause_ack_sent = true;
                 }
-                Err(e) => failure = Some(e),
+                Err(e) => failure = Some(LinkEvent::Local(e)),
             }
         }
         if let Some(p) = &mut link.pause {
@@ -736,7 +739,7 @@ impl Worker {
             {
                 p.sent = true;
                 if let Err(e) = link.post(Kind::Pause, FLAG_MOVING, 0, &[], last_received) {
-                    failure = Some(e);
+                    failure = Some(LinkEvent::Local(e));
                 }
             }
         }
@@ -746,7 +749,7 @@ impl Worker {
             if !link.close_sent && (drained || late) && link.can_post_control() {
                 link.close_sent = true;
                 if let Err(e) = link.post(Kind::Close, 0, 0, &[], last_received) {
-                    failure = Some(e);
+                    failure = Some(LinkEvent::Local(e));
                 }
             }
         }
@@ -755,20 +758,26 @@ impl Worker {
         if want_disconnect && link.disconnecting.is_none() {
             link.disconnecting = Some(now);
             if let Err(e) = link.ep.id.disconnect() {
-                failure = Some(error_chain(&e));
+                failure = Some(LinkEvent::Local(error_chain(&e)));
             }
         }
         if link
             .disconnecting
             .is_some_and(|t| now.duration_since(t) > DISCONNECT_WAIT)
         {
-            failure = Some("no DISCONNECTED event within 1 s of rdma_disconnect".into());
+            failure = Some(LinkEvent::Deadline {
+                deadline: "disconnect (1 s)",
+                what: "the DISCONNECTED event",
+            });
         }
         if link
             .peer_paused
             .is_some_and(|t| now.duration_since(t) > self.sh.opts.peer_wait)
         {
-            failure = Some("the peer paused and never disconnected".into());
+            failure = Some(LinkEvent::Deadline {
+                deadline: "peer_wait",
+                what: "the paused peer to disconnect",
+            });
         }
         if let Some(f) = failure {
             let expected = link.disconnecting.is_some();
@@ -795,7 +804,7 @@ impl Worker {
             };
             let (seq, last_received) = (*seq, st.last_received);
             if let Err(e) = link.post(Kind::Data, 0, seq, data, last_received) {
-                failure = Some(e);
+                failure = Some(LinkEvent::Local(e));
                 break;
             }
             link.posted_upto = seq;
@@ -812,7 +821,7 @@ impl Worker {
             || link.credits.lag() >= (self.sh.opts.recv_depth as u64 / 4).max(1);
         if failure.is_none() && owed && !quiet && link.can_post_control() {
             if let Err(e) = link.post(Kind::Ack, 0, 0, &[], last_received) {
-                failure = Some(e);
+                failure = Some(LinkEvent::Local(e));
             }
         }
         if let Some(f) = failure {
@@ -822,7 +831,7 @@ impl Worker {
 
     /// The link is gone (or being given up): release every verbs object at once, then decide
     /// what the connection does next.
-    fn link_lost(&mut self, why: String, expected: bool) {
+    fn link_lost(&mut self, why: LinkEvent, expected: bool) {
         let Some(link) = self.link.take() else { return };
         let peer_paused = link.peer_paused.is_some();
         drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
@@ -830,7 +839,7 @@ impl Worker {
         self.last_refresh = Instant::now();
         tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, expected, "link released");
         if !expected {
-            self.sh.lock().stats.link_events.push(why.clone());
+            self.sh.lock().stats.link_events.push(why.to_string());
         }
         let now = Instant::now();
         if let Some((_, reply)) = self.close_op.take() {
@@ -865,7 +874,8 @@ impl Worker {
         } else {
             now
         };
-        self.last_error = why;
+        self.last_error.clear();
+        self.last_link = Some(why);
         self.set_state(ConnectionState::AwaitingPeer);
     }
 
@@ -891,17 +901,21 @@ impl Worker {
             }
             Down::Awaiting { until } => {
                 if now >= until {
-                    let reason = format!(
-                        "the peer did not come back within {:?} (last error: {})",
-                        self.sh.opts.peer_wait, self.last_error
-                    );
-                    self.fail(reason);
+                    self.fail(Failure::PeerWaitExpired {
+                        after: self.sh.opts.peer_wait,
+                        cause: self.last_link.clone(),
+                        last_attempt: (!self.last_error.is_empty())
+                            .then(|| self.last_error.clone()),
+                    });
                     return;
                 }
                 if self.peer.is_some() && now >= self.next_attempt {
                     match self.attempt(true) {
                         Ok(()) => {}
-                        Err(e) if e.permanent => self.fail(format!("resume refused: {}", e.msg)),
+                        Err(AttemptError {
+                            refused: Some(reason),
+                            ..
+                        }) => self.fail(Failure::ResumeRefused(reason)),
                         Err(e) => {
                             self.last_error = e.msg;
                             self.next_attempt = Instant::now() + self.sh.opts.reconnect_interval;
@@ -925,7 +939,13 @@ impl Worker {
             let _ = reply.send(Err(format!(
                 "quiesce timed out waiting for {what}; resources released anyway"
             )));
-            self.link_lost(format!("quiesce deadline passed waiting for {what}"), true);
+            self.link_lost(
+                LinkEvent::Deadline {
+                    deadline: "quiesce",
+                    what,
+                },
+                true,
+            );
             self.down = Down::Quiesced {
                 hold_until: now + self.sh.opts.peer_wait,
             };
@@ -960,13 +980,14 @@ impl Worker {
         self.done = true;
     }
 
-    fn fail(&mut self, reason: String) {
+    fn fail(&mut self, cause: Failure) {
         self.link = None;
         let _ = refresh_device_list();
+        let reason = cause.to_string();
         tracing::warn!(conn = format_args!("{:016x}", self.sh.id), %reason, "connection failed");
         let mut st = self.sh.lock();
         st.conn_state = ConnectionState::Failed;
-        st.failure = Some(reason.clone());
+        st.failure = Some(cause);
         drop(st);
         self.sh.cond.notify_all();
         for op in [
@@ -989,17 +1010,23 @@ fn process(
     st: &mut super::State,
     wc: &WorkCompletion,
     delivered: &mut bool,
-) -> Result<(), String> {
+) -> Result<(), LinkEvent> {
     if wc.wr_id < RECV_BASE {
         link.free_slots.push(wc.wr_id as u32);
         link.posted_sends = link.posted_sends.saturating_sub(1);
         if !wc.ok() {
-            return Err(format!("send completion error: {}", wc.status_str()));
+            return Err(LinkEvent::QpError {
+                status: wc.status_str(),
+                which: "send",
+            });
         }
         return Ok(());
     }
     if !wc.ok() {
-        return Err(format!("receive completion error: {}", wc.status_str()));
+        return Err(LinkEvent::QpError {
+            status: wc.status_str(),
+            which: "receive",
+        });
     }
     let slot = (wc.wr_id - RECV_BASE) as usize;
     let off = slot * link.slot;
@@ -1007,9 +1034,8 @@ fn process(
         .ep
         .recv_mr
         .read(off, wc.byte_len as usize)
-        .ok_or("receive completion longer than its slot")?;
-    let (h, payload) =
-        Header::decode(bytes).map_err(|e| format!("protocol error from the peer: {e}"))?;
+        .ok_or_else(|| LinkEvent::Protocol("receive completion longer than its slot".into()))?;
+    let (h, payload) = Header::decode(bytes).map_err(|e| LinkEvent::Protocol(e.to_string()))?;
     link.credits.on_peer_credits(h.credits);
     while st.outbox.front().is_some_and(|(seq, _)| *seq <= h.ack) {
         st.outbox.pop_front();
@@ -1024,10 +1050,10 @@ fn process(
             }
             Arrival::Duplicate => st.stats.duplicates_dropped += 1,
             Arrival::Gap { expected } => {
-                return Err(format!(
-                    "protocol error: received sequence {} while expecting {expected}",
+                return Err(LinkEvent::Protocol(format!(
+                    "received sequence {} while expecting {expected}",
                     h.seq
-                ))
+                )))
             }
         },
         Kind::Ack => {}
@@ -1048,7 +1074,7 @@ fn process(
     link.ep
         .id
         .post_recv(&link.ep.recv_mr, off, link.slot, wc.wr_id)
-        .map_err(|e| format!("re-posting a receive: {}", error_chain(&e)))?;
+        .map_err(|e| LinkEvent::Local(format!("re-posting a receive: {}", error_chain(&e))))?;
     link.credits.on_reposted();
     Ok(())
 }

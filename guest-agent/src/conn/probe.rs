@@ -1,0 +1,96 @@
+//! A RESUME from a stranger: connects to a listener with a RESUME naming an existing
+//! connection but carrying a token of the caller's choice, and reports the answer.
+//!
+//! The token is the only thing that stops another host on the network from taking over a
+//! connection by reconnecting in its name; the test bed uses this (through
+//! `rdmamig-traffic probe-resume`) to check, on a live connection, that a wrong token is
+//! refused and that the connection it names carries on unharmed.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use super::wire::{Hello, PrivateData, RejectReason};
+use super::worker::{build_endpoint, error_chain};
+use crate::verbs::{CmEvent, CmEventKind, CmId, EventChannel};
+use rdmamig_proto::ConnectionId;
+
+/// How the listener answered a probing RESUME.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeAnswer {
+    /// Refused with this reason (what a wrong token must get).
+    Refused(RejectReason),
+    /// Accepted: the listener handed the connection to whoever knew its id and this token.
+    Accepted,
+    /// No listener, or no usable answer; the text says what happened.
+    NoAnswer(String),
+}
+
+const STEP: Duration = Duration::from_secs(2);
+
+/// Sends a RESUME for `conn_id` with `token` to `peer` and waits (bounded) for the answer.
+/// An accepted probe is disconnected at once.
+pub fn probe_resume(peer: SocketAddr, conn_id: ConnectionId, token: [u8; 16]) -> ProbeAnswer {
+    match attempt(peer, conn_id, token) {
+        Ok(a) => a,
+        Err(e) => ProbeAnswer::NoAnswer(e),
+    }
+}
+
+fn wait(chan: &EventChannel, id: &CmId, what: &str) -> Result<CmEvent, String> {
+    let end = Instant::now() + STEP;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no CM event for {what} within {STEP:?}"));
+        }
+        match chan.get_event(left) {
+            Ok(Some(ev)) if ev.id == id.key() => return Ok(ev),
+            Ok(_) => {}
+            Err(e) => return Err(error_chain(&e)),
+        }
+    }
+}
+
+fn attempt(
+    peer: SocketAddr,
+    conn_id: ConnectionId,
+    token: [u8; 16],
+) -> Result<ProbeAnswer, String> {
+    let verbs = |e: crate::verbs::VerbsError| error_chain(&e);
+    let chan = EventChannel::new().map_err(verbs)?;
+    let id = CmId::create(&chan).map_err(verbs)?;
+    id.resolve_addr(peer, STEP).map_err(verbs)?;
+    let ev = wait(&chan, &id, "address resolution")?;
+    if ev.kind != CmEventKind::AddrResolved {
+        return Err(format!("address resolution: {:?}", ev.kind));
+    }
+    id.resolve_route(STEP).map_err(verbs)?;
+    let ev = wait(&chan, &id, "route resolution")?;
+    if ev.kind != CmEventKind::RouteResolved {
+        return Err(format!("route resolution: {:?}", ev.kind));
+    }
+    let ep = build_endpoint(id, 8, 64).map_err(verbs)?;
+    let pd = PrivateData::Resume(Hello {
+        conn_id,
+        token,
+        last_received: 0,
+        credits: 8,
+    });
+    ep.id.connect(&pd.encode(), 3, 3).map_err(verbs)?;
+    let ev = wait(&chan, &ep.id, "the connect")?;
+    Ok(match ev.kind {
+        CmEventKind::Rejected => match PrivateData::decode(&ev.private_data) {
+            Ok(PrivateData::Reject(r)) => ProbeAnswer::Refused(r.reason),
+            other => ProbeAnswer::NoAnswer(format!(
+                "rejected without a reject record ({other:?}), status {}",
+                ev.status
+            )),
+        },
+        CmEventKind::Established => {
+            let _ = ep.id.disconnect();
+            let _ = wait(&chan, &ep.id, "the disconnect");
+            ProbeAnswer::Accepted
+        }
+        other => ProbeAnswer::NoAnswer(format!("connect: {other:?} ({})", ev.status)),
+    })
+}

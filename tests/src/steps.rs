@@ -1,0 +1,131 @@
+//! Steps the connection tests share: run `rdmamig-traffic` in a guest under a tag, drive its
+//! library the way the agent does (`rdmamig-traffic ctl`), swap a guest's RDMA NIC over QMP,
+//! and collect the traffic reports.
+//!
+//! Each traffic process gets files `/tmp/<tag>.{out,err,json,ready,pid}` in its guest, so
+//! several can run side by side and a failed test can print their logs.
+
+use std::time::{Duration, Instant};
+
+use rdmamig_guest::traffic::Report;
+use serde_json::{json, Value};
+
+use crate::Guest;
+
+/// Bound on every console command these steps run.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The steps' error: what was being done, and what went wrong, as text for the test report.
+pub type StepResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Starts `rdmamig-traffic <args>` in the background in `guest` under `tag`, with warnings
+/// of the library logged to `/tmp/<tag>.err`.
+pub fn start_traffic(guest: &Guest, tag: &str, args: &str) -> StepResult<()> {
+    guest.run_ok(
+        &format!(
+            "rm -f /tmp/{tag}.json /tmp/{tag}.ready; \
+             RDMAMIG_LOG=rdmamig_guest=debug rdmamig-traffic {args} --report /tmp/{tag}.json \
+             --ready-file /tmp/{tag}.ready >/tmp/{tag}.out 2>/tmp/{tag}.err & echo $! >/tmp/{tag}.pid"
+        ),
+        STEP_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// Waits until the traffic process `tag` has connected (it creates its ready file).
+pub fn wait_ready(guest: &Guest, tag: &str) -> StepResult<()> {
+    guest.run_ok(
+        &format!(
+            "i=0; while [ ! -e /tmp/{tag}.ready ]; do \
+               kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ cat /tmp/{tag}.err; exit 1; }}; \
+               i=$((i+1)); [ $i -gt 400 ] && exit 1; sleep 0.05; done"
+        ),
+        STEP_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// Asks the traffic process `tag` to stop (SIGINT): it flushes, lingers and writes its report.
+pub fn stop_traffic(guest: &Guest, tag: &str) -> StepResult<()> {
+    guest.run_ok(&format!("kill -INT $(cat /tmp/{tag}.pid)"), STEP_TIMEOUT)?;
+    Ok(())
+}
+
+/// Waits for and parses the report of the traffic process `tag`.
+pub fn collect_report(guest: &Guest, tag: &str) -> StepResult<Report> {
+    let out = guest.run_ok(
+        &format!(
+            "i=0; while [ ! -s /tmp/{tag}.json ]; do \
+               i=$((i+1)); [ $i -gt 400 ] && {{ cat /tmp/{tag}.err; exit 1; }}; sleep 0.05; done; \
+             cat /tmp/{tag}.json"
+        ),
+        STEP_TIMEOUT,
+    )?;
+    let start = out
+        .find('{')
+        .ok_or_else(|| format!("{}: no report for {tag}: {out}", guest.name()))?;
+    Ok(serde_json::from_str(&out[start..])?)
+}
+
+/// Prints the tail of every traffic log in `guest` (for a failing test).
+pub fn dump_logs(guest: &Guest) {
+    if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", STEP_TIMEOUT) {
+        eprintln!("---- guest {} traffic logs:\n{}", guest.name(), out.output);
+    }
+}
+
+/// Drives the library in the process registered on `socket` like the agent would:
+/// `describe`, `quiesce` or `resume`. Fails if any per-connection outcome is not ok.
+pub fn ctl(guest: &Guest, socket: &str, op: &str) -> StepResult<Value> {
+    let out = guest.run_ok(
+        &format!("rdmamig-traffic ctl --socket {socket} --deadline-ms 8000 {op}"),
+        STEP_TIMEOUT,
+    )?;
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with('{'))
+        .ok_or_else(|| format!("ctl {op}: no JSON in {out:?}"))?;
+    let v: Value = serde_json::from_str(line)?;
+    if let Some(list) = v["reply"]["body"]["outcomes"].as_array() {
+        for o in list {
+            if o["ok"] != json!(true) {
+                return Err(format!("ctl {op} on {}: outcome not ok: {o}", guest.name()).into());
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// Unplugs the NIC `id` of `guest` and waits for DEVICE_DELETED; returns how long it took.
+pub fn unplug(guest: &Guest, id: &str, timeout: Duration) -> StepResult<Duration> {
+    let mut qmp = guest.qmp()?;
+    let started = Instant::now();
+    qmp.execute("device_del", json!({ "id": id }))?;
+    qmp.wait_event("DEVICE_DELETED", |d| d["device"] == id, timeout)?;
+    Ok(started.elapsed())
+}
+
+/// Plugs a new virtio-net NIC `id` on the guest's netdev `nd0` with its own MAC and waits
+/// until its Soft-RoCE port is ACTIVE; returns how long it took.
+pub fn plug(guest: &Guest, id: &str) -> StepResult<Duration> {
+    let started = Instant::now();
+    guest.qmp()?.execute(
+        "device_add",
+        json!({ "driver": "virtio-net-pci", "netdev": "nd0", "id": id, "bus": "rp1",
+                "mac": guest.spec().mac }),
+    )?;
+    guest.run_ok("rdmamig-netplug wait-active 10", STEP_TIMEOUT)?;
+    Ok(started.elapsed())
+}
+
+/// Checks a report of traffic that must have lost nothing and seen no error.
+pub fn assert_clean(name: &str, r: &Report, sender: &Report) {
+    assert_eq!(r.lost, 0, "{name} lost messages: {r:?}");
+    assert_eq!(r.duplicated, 0, "{name} got duplicates: {r:?}");
+    assert_eq!(r.reordered, 0, "{name} got reordered messages: {r:?}");
+    assert!(r.errors.is_empty(), "{name} saw errors: {r:?}");
+    assert_eq!(
+        r.received, sender.sent,
+        "{name} did not receive everything the other side sent: {r:?} / {sender:?}"
+    );
+}
