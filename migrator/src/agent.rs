@@ -126,6 +126,61 @@ impl Outcomes {
     }
 }
 
+/// What a move asks of the guest agent: the seam between the mover and the agent protocol,
+/// so that the mover's failure paths are tested with an agent that misbehaves on cue.
+#[async_trait::async_trait]
+pub trait GuestAgent: Send {
+    /// Liveness check; returns the agent's version.
+    async fn ping(&mut self, deadline: Duration) -> Result<String, AgentError>;
+    /// Every migratable connection in the guest.
+    async fn list_connections(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<ConnectionInfo>, AgentError>;
+    /// Quiesces every connection; `known` are the connections the host listed.
+    async fn quiesce(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError>;
+    /// Resumes every connection; `known` as for quiesce.
+    async fn resume(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError>;
+}
+
+#[async_trait::async_trait]
+impl GuestAgent for AgentClient {
+    async fn ping(&mut self, deadline: Duration) -> Result<String, AgentError> {
+        AgentClient::ping(self, deadline).await
+    }
+
+    async fn list_connections(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<ConnectionInfo>, AgentError> {
+        AgentClient::list_connections(self, deadline).await
+    }
+
+    async fn quiesce(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        AgentClient::quiesce(self, known, deadline).await
+    }
+
+    async fn resume(
+        &mut self,
+        known: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        AgentClient::resume(self, known, deadline).await
+    }
+}
+
 /// A session with one guest agent.
 pub struct AgentClient {
     stream: Box<dyn AgentStream>,

@@ -1,8 +1,9 @@
 //! The daemon's API: what `rdmamig migrate` and the daemon say to each other.
 //!
-//! One connection carries one request. The client sends [`ClientRequest`]; the daemon answers
-//! with a stream of [`DaemonMessage::Event`]s and ends with exactly one
-//! [`DaemonMessage::Report`] or [`DaemonMessage::Rejected`]. Every message is one frame of
+//! One connection carries one request. For a move the client sends
+//! [`ClientRequest::Migrate`]; the daemon answers with a stream of [`DaemonMessage::Event`]s
+//! and ends with exactly one [`DaemonMessage::Report`] or [`DaemonMessage::Rejected`]. The
+//! other requests get exactly one answer. Every message is one frame of
 //! rdmamig-proto's framing (magic, version, length, JSON; 64 KiB at most).
 
 use rdmamig_proto::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
@@ -11,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::machine::Phase;
 use crate::mover::{MoveEvent, MoveReport};
 use crate::plan::MovePlan;
 
@@ -21,8 +23,52 @@ pub enum ClientRequest {
     /// Run this move and stream its progress.
     Migrate {
         /// The move.
-        plan: MovePlan,
+        plan: Box<MovePlan>,
     },
+    /// The moves running now.
+    Status,
+    /// The moves that ended, newest first.
+    History {
+        /// At most this many.
+        limit: usize,
+    },
+    /// The report of one move.
+    Report {
+        /// The move's id.
+        id: String,
+    },
+}
+
+/// A running move, as `rdmamig status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunningMove {
+    /// The move's id.
+    pub id: String,
+    /// The VM.
+    pub vm: String,
+    /// The phase it is in.
+    pub phase: Phase,
+    /// When it started, ms since the epoch.
+    pub started_unix_ms: u64,
+    /// Whether a restarted daemon is finishing it from its journal.
+    pub recovering: bool,
+}
+
+/// An ended move, as `rdmamig history` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoveSummary {
+    /// The move's id.
+    pub id: String,
+    /// The VM.
+    pub vm: String,
+    /// `done`, `rolled_back` or `failed`.
+    pub outcome: Phase,
+    /// When it started, ms since the epoch.
+    pub started_unix_ms: u64,
+    /// How long it took, ms.
+    pub total_ms: u64,
+    /// The error, if it failed.
+    pub error: Option<String>,
 }
 
 /// What the daemon sends back.
@@ -38,6 +84,18 @@ pub enum DaemonMessage {
     Report {
         /// The report.
         report: Box<MoveReport>,
+    },
+    /// The answer to [`ClientRequest::Status`].
+    Status {
+        /// The running moves.
+        moves: Vec<RunningMove>,
+        /// How many moves may run at once.
+        limit: usize,
+    },
+    /// The answer to [`ClientRequest::History`].
+    History {
+        /// The ended moves, newest first.
+        moves: Vec<MoveSummary>,
     },
     /// The request was not run; nothing follows.
     Rejected {

@@ -1,5 +1,6 @@
-//! The client side of `rdmamig migrate`: send the plan to the daemon, show progress as it
-//! comes, then the timeline, and hand back the report.
+//! The client side of the `rdmamig` commands: send the plan to the daemon, show progress as
+//! it comes, then the timeline, and hand back the report; ask for the running moves, the
+//! history and one move's report.
 //!
 //! Rendering is kept in pure functions so that the operator's view is tested without a
 //! daemon.
@@ -12,6 +13,7 @@ use thiserror::Error;
 use tokio::net::UnixStream;
 
 use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage};
+use crate::machine::Phase;
 use crate::mover::{MoveEvent, MoveReport, VmLocation};
 use crate::plan::MovePlan;
 use crate::timeline::PhaseOutcome;
@@ -32,7 +34,7 @@ pub enum CliError {
     #[error("talking to the rdmamig daemon failed")]
     Api(#[from] ApiError),
     /// The daemon refused the request.
-    #[error("the rdmamig daemon refused the move: {reason}")]
+    #[error("the rdmamig daemon refused: {reason}")]
     Rejected {
         /// Its reason.
         reason: String,
@@ -40,6 +42,12 @@ pub enum CliError {
     /// The daemon closed the connection before the report.
     #[error("the rdmamig daemon closed the connection before the final report (see its log)")]
     NoReport,
+    /// The daemon answered with a message that does not answer the request.
+    #[error("the rdmamig daemon's answer to {request} does not fit the request")]
+    Unexpected {
+        /// The request.
+        request: &'static str,
+    },
     /// The report file could not be written.
     #[error("cannot write the report to {path}")]
     WriteReport {
@@ -75,7 +83,11 @@ pub async fn migrate(
             source,
         })?;
     let mut channel = Channel::new(stream);
-    channel.send(&ClientRequest::Migrate { plan }).await?;
+    channel
+        .send(&ClientRequest::Migrate {
+            plan: Box::new(plan),
+        })
+        .await?;
     let report = loop {
         match channel.receive::<DaemonMessage>().await? {
             Some(DaemonMessage::Event { event }) => match output {
@@ -84,6 +96,9 @@ pub async fn migrate(
             },
             Some(DaemonMessage::Report { report }) => break *report,
             Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
+            Some(DaemonMessage::Status { .. } | DaemonMessage::History { .. }) => {
+                return Err(CliError::Unexpected { request: "migrate" })
+            }
             None => return Err(CliError::NoReport),
         }
     };
@@ -99,6 +114,85 @@ pub async fn migrate(
         })?;
     }
     Ok(report)
+}
+
+/// Sends a one-answer request (status, history, report) and prints the answer.
+pub async fn query(socket: &Path, request: ClientRequest, output: Output) -> Result<(), CliError> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| CliError::Connect {
+            socket: socket.into(),
+            source,
+        })?;
+    let mut channel = Channel::new(stream);
+    channel.send(&request).await?;
+    let answer = match channel.receive::<DaemonMessage>().await? {
+        Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
+        Some(answer) => answer,
+        None => return Err(CliError::NoReport),
+    };
+    match output {
+        Output::Json => match &answer {
+            DaemonMessage::Report { report } => println!("{}", to_json(report)),
+            DaemonMessage::Status { moves, limit } => {
+                println!(
+                    "{}",
+                    to_json(&serde_json::json!({"moves": moves, "limit": limit}))
+                );
+            }
+            DaemonMessage::History { moves } => println!("{}", to_json(moves)),
+            other => println!("{}", to_json(other)),
+        },
+        Output::Text => print!("{}", render_answer(&answer)),
+    }
+    Ok(())
+}
+
+/// The text of a one-answer request's answer.
+pub fn render_answer(answer: &DaemonMessage) -> String {
+    let mut text = String::new();
+    match answer {
+        DaemonMessage::Status { moves, limit } => {
+            let _ = writeln!(text, "{} moves running (limit {limit})", moves.len());
+            for m in moves {
+                let _ = writeln!(
+                    text,
+                    "  {}  vm {}  phase {}{}",
+                    m.id,
+                    m.vm,
+                    m.phase,
+                    if m.recovering {
+                        "  (recovering after a restart)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+        DaemonMessage::History { moves } => {
+            if moves.is_empty() {
+                let _ = writeln!(text, "no move has ended yet");
+            }
+            for m in moves {
+                let _ = writeln!(
+                    text,
+                    "{}  vm {}  {}  {} ms{}",
+                    m.id,
+                    m.vm,
+                    m.outcome,
+                    m.total_ms,
+                    m.error
+                        .as_ref()
+                        .map(|e| format!("  {e}"))
+                        .unwrap_or_default()
+                );
+            }
+        }
+        DaemonMessage::Report { report } => text = render_report(report),
+        DaemonMessage::Event { event } => text = render_event(event) + "\n",
+        DaemonMessage::Rejected { reason } => text = format!("refused: {reason}\n"),
+    }
+    text
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> String {
@@ -128,6 +222,10 @@ pub fn render_event(event: &MoveEvent) -> String {
                 PhaseOutcome::Skipped { reason } => {
                     format!("[{at_ms:>6} ms] {phase:<8} skipped: {reason}")
                 }
+                PhaseOutcome::Forced { reason } => format!(
+                    "[{at_ms:>6} ms] {phase:<8} FORCED after {} ms: {reason}",
+                    record.duration_ms
+                ),
                 PhaseOutcome::Failed { error } => format!(
                     "[{at_ms:>6} ms] {phase:<8} FAILED after {} ms: {error}",
                     record.duration_ms
@@ -175,6 +273,7 @@ pub fn render_report(report: &MoveReport) -> String {
         let result = match &record.outcome {
             PhaseOutcome::Ok => "ok",
             PhaseOutcome::Skipped { .. } => "skipped",
+            PhaseOutcome::Forced { .. } => "FORCED",
             PhaseOutcome::Failed { .. } => "FAILED",
         };
         let line = format!(
@@ -199,16 +298,36 @@ pub fn render_report(report: &MoveReport) -> String {
         VmLocation::Source => "the VM is on the source",
         VmLocation::Destination => "the VM is on the destination",
     };
-    match &report.error {
-        None => {
+    for forced in &report.forced {
+        let _ = writeln!(text, "forced path in {}: {}", forced.phase, forced.reason);
+    }
+    if let Some(phase) = report.recovered_from {
+        let _ = writeln!(
+            text,
+            "the migrator restarted during {phase} and finished this move from its journal"
+        );
+    }
+    let error = report.error.as_deref().unwrap_or("no error given");
+    match report.final_phase {
+        Phase::Done => {
             let _ = writeln!(
                 text,
-                "move done in {} ms; {location}",
-                report.timeline.total_ms
+                "move {} done in {} ms; {location}",
+                report.id, report.timeline.total_ms
             );
         }
-        Some(error) => {
-            let _ = writeln!(text, "move FAILED: {error}; {location}");
+        Phase::RolledBack => {
+            let _ = writeln!(
+                text,
+                "move {} ROLLED BACK: {error}; {location}, with its device and its connections resumed",
+                report.id
+            );
+        }
+        _ => {
+            let _ = writeln!(text, "move {} FAILED: {error}; {location}", report.id);
+            if let Some(rollback) = &report.rollback_error {
+                let _ = writeln!(text, "the rollback failed too: {rollback}");
+            }
         }
     }
     text
@@ -235,7 +354,6 @@ fn mib(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::Phase;
     use crate::plan::{Deadlines, Endpoint, Strategy};
     use crate::timeline::{PhaseRecord, Timeline};
     use rdmamig_vmm::{DeviceSpec, MigrationProgress, MigrationStatus};
@@ -299,6 +417,7 @@ mod tests {
     #[test]
     fn the_table_has_every_phase_and_the_total() {
         let report = MoveReport {
+            id: "m1".into(),
             plan: MovePlan {
                 vm: "vm1".into(),
                 source: Endpoint {
@@ -311,6 +430,7 @@ mod tests {
                 },
                 detach: "nic0".into(),
                 attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
+                reattach: None,
                 via: "unix:/m".into(),
                 strategy: Strategy::Naive,
                 deadlines: Deadlines::default(),
@@ -318,6 +438,9 @@ mod tests {
             ok: false,
             final_phase: Phase::Failed,
             failed_phase: Some(Phase::Detach),
+            rollback_error: None,
+            forced: vec![],
+            recovered_from: None,
             error: Some("phase detach missed its deadline of 5000 ms: the guest did not release device nic0".into()),
             vm_location: VmLocation::Source,
             timeline: Timeline {
@@ -352,6 +475,6 @@ mod tests {
             text.contains("  total                  5100 ms\n"),
             "{text}"
         );
-        assert!(text.contains("move FAILED: phase detach missed its deadline of 5000 ms: the guest did not release device nic0; the VM is on the source"), "{text}");
+        assert!(text.contains("move m1 FAILED: phase detach missed its deadline of 5000 ms: the guest did not release device nic0; the VM is on the source"), "{text}");
     }
 }

@@ -1,4 +1,5 @@
-//! `rdmamig daemon`: runs moves on behalf of clients on a local UNIX socket.
+//! `rdmamig daemon`: runs moves on behalf of clients on a local UNIX socket, journals them,
+//! keeps their reports, and finishes the moves a killed daemon left behind.
 //!
 //! The socket can make the host unplug devices and migrate VMs, so it is created with mode
 //! 0600 (bound under a temporary name, restricted, then renamed into place, so it is never
@@ -6,13 +7,18 @@
 //! and the daemon's own user are served.
 //!
 //! A move belongs to the daemon, not to the client that asked for it: a client that goes
-//! away mid-move does not stop it halfway (a half-done move is worse than either end). A
-//! second move of a VM that is already moving is refused. On SIGINT/SIGTERM the daemon stops
-//! accepting and waits for running moves, which are all bounded by their deadlines.
+//! away mid-move does not stop it halfway (a half-done move is worse than either end). Moves
+//! of different VMs run concurrently up to a limit; a second move of a VM that is already
+//! moving (or being recovered) is refused. Every move has a journal and, once it ended, a JSON
+//! report under `<state-dir>/moves/`. At start-up, every journal without an end is recovered
+//! ([`crate::mover::recover`]) before the socket accepts a move of that VM. On SIGINT/SIGTERM
+//! the daemon stops accepting and waits for running moves, which are all bounded by their
+//! deadlines.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,11 +28,28 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage};
-use crate::mover::{error_chain, run_move};
+use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage, MoveSummary, RunningMove};
+use crate::journal::{self, Journal, JournalError};
+use crate::machine::Phase;
+use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
+use crate::plan::MovePlan;
+use crate::timeline::unix_ms;
 
 /// Time a client has to send its request after connecting.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How the daemon runs.
+#[derive(Clone)]
+pub struct DaemonConfig {
+    /// The socket to listen on.
+    pub socket: PathBuf,
+    /// Where journals and reports live (`<state_dir>/moves/`).
+    pub state_dir: PathBuf,
+    /// How many moves may run at once.
+    pub max_moves: usize,
+    /// How moves reach VMMs and agents, and the boundary hook.
+    pub context: MoveContext,
+}
 
 /// Why the daemon could not run.
 #[derive(Debug, Error)]
@@ -58,30 +81,178 @@ pub enum DaemonError {
     /// Signal handlers could not be installed.
     #[error("cannot install the signal handlers")]
     Signals(#[source] std::io::Error),
+    /// The journals of unfinished moves could not be read.
+    #[error("cannot read the journals of unfinished moves")]
+    Journals(#[source] JournalError),
 }
 
-/// Listens on `socket` and serves clients until SIGINT or SIGTERM.
-pub async fn serve(socket: &Path) -> Result<(), DaemonError> {
-    let listener = bind(socket).await?;
-    let owner = std::fs::metadata(socket)
+/// What every client task shares.
+struct Shared {
+    config: DaemonConfig,
+    /// Running moves by id.
+    running: Mutex<HashMap<String, RunningMove>>,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn moves_dir(&self) -> PathBuf {
+        self.config.state_dir.join("moves")
+    }
+
+    /// Registers a move of `vm` unless the VM is already moving or the limit is reached.
+    fn admit(&self, vm: &str, recovering: bool) -> Result<String, String> {
+        let mut running = lock(&self.running);
+        if let Some(other) = running.values().find(|m| m.vm == vm) {
+            return Err(format!(
+                "VM {vm} is already moving (move {}, phase {}); one move per VM at a time",
+                other.id, other.phase
+            ));
+        }
+        if !recovering && running.len() >= self.config.max_moves {
+            return Err(format!(
+                "{} moves are running, the limit (--max-moves {}); try again later",
+                running.len(),
+                self.config.max_moves
+            ));
+        }
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}-{}-{n}", unix_ms(), sanitize(vm));
+        running.insert(
+            id.clone(),
+            RunningMove {
+                id: id.clone(),
+                vm: vm.into(),
+                phase: Phase::Prepare,
+                started_unix_ms: unix_ms(),
+                recovering,
+            },
+        );
+        Ok(id)
+    }
+
+    fn register_recovery(&self, id: &str, vm: &str, phase: Phase) {
+        lock(&self.running).insert(
+            id.into(),
+            RunningMove {
+                id: id.into(),
+                vm: vm.into(),
+                phase,
+                started_unix_ms: unix_ms(),
+                recovering: true,
+            },
+        );
+    }
+
+    fn set_phase(&self, id: &str, phase: Phase) {
+        if let Some(m) = lock(&self.running).get_mut(id) {
+            m.phase = phase;
+        }
+    }
+
+    /// Stores the report and forgets the running move.
+    fn finish(&self, report: &MoveReport) {
+        lock(&self.running).remove(&report.id);
+        let path = self.moves_dir().join(format!("{}.json", report.id));
+        let text = serde_json::to_string_pretty(report).unwrap_or_default() + "\n";
+        if let Err(e) = write_durably(&path, text.as_bytes()) {
+            tracing::error!(path = %path.display(), "cannot store the move report: {e}");
+        }
+        match &report.error {
+            None => tracing::info!(
+                move_id = %report.id,
+                vm = %report.plan.vm,
+                total_ms = report.timeline.total_ms,
+                "move done"
+            ),
+            Some(error) => tracing::warn!(
+                move_id = %report.id,
+                vm = %report.plan.vm,
+                outcome = %report.final_phase,
+                "move did not complete: {error}"
+            ),
+        }
+    }
+}
+
+/// Writes a file through a temporary name and an fsync, so a reader never sees half of it.
+fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let temporary = path.with_extension("tmp");
+    let mut file = std::fs::File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&temporary, path)
+}
+
+/// A VM name as it may appear in a file name.
+fn sanitize(vm: &str) -> String {
+    vm.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect()
+}
+
+/// Listens on the configured socket and serves clients until SIGINT or SIGTERM.
+pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
+    let socket = config.socket.clone();
+    let listener = bind(&socket).await?;
+    let owner = std::fs::metadata(&socket)
         .map_err(|source| DaemonError::Bind {
-            socket: socket.into(),
+            socket: socket.clone(),
             source,
         })?
         .uid();
-    tracing::info!(socket = %socket.display(), "rdmamig daemon listening");
+    let shared = Arc::new(Shared {
+        config,
+        running: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(1),
+    });
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
-    let moving = Arc::new(Mutex::new(HashSet::new()));
     let mut clients = JoinSet::new();
+    let unfinished = journal::unfinished(&shared.moves_dir()).map_err(DaemonError::Journals)?;
+    for (path, replay) in unfinished {
+        let shared = shared.clone();
+        shared.register_recovery(
+            &replay.id,
+            &replay.plan.vm,
+            replay.last_phase().unwrap_or(Phase::Prepare),
+        );
+        tracing::warn!(move_id = %replay.id, vm = %replay.plan.vm, "recovering an unfinished move");
+        clients.spawn(async move {
+            let id = replay.id.clone();
+            let (events, received) = mpsc::unbounded_channel();
+            let report = match Journal::reopen(&path) {
+                Ok(journal) => {
+                    let task = recover(replay, journal, shared.config.context.clone(), events);
+                    drive(&shared, &id, task, received, None).await
+                }
+                Err(e) => {
+                    tracing::error!(move_id = %id, "{}", error_chain(&e));
+                    lock(&shared.running).remove(&id);
+                    return;
+                }
+            };
+            if let Some(report) = report {
+                shared.finish(&report);
+            }
+        });
+    }
+    tracing::info!(socket = %socket.display(), "rdmamig daemon listening");
     let result = loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    let moving = moving.clone();
-                    clients.spawn(async move { serve_client(stream, owner, moving).await });
+                    let shared = shared.clone();
+                    clients.spawn(async move { serve_client(stream, owner, shared).await });
                 }
-                Err(source) => break Err(DaemonError::Accept { socket: socket.into(), source }),
+                Err(source) => break Err(DaemonError::Accept { socket: socket.clone(), source }),
             },
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
             _ = interrupt.recv() => break Ok(()),
@@ -89,7 +260,7 @@ pub async fn serve(socket: &Path) -> Result<(), DaemonError> {
         }
     };
     drop(listener);
-    let _ = std::fs::remove_file(socket);
+    let _ = std::fs::remove_file(&socket);
     if !clients.is_empty() {
         tracing::info!(clients = clients.len(), "waiting for running moves to end");
     }
@@ -125,25 +296,17 @@ async fn bind(socket: &Path) -> Result<UnixListener, DaemonError> {
     Ok(listener)
 }
 
-/// Removes a VM from the set of moving VMs when its move ends, however it ends.
-struct MovingGuard {
-    moving: Arc<Mutex<HashSet<String>>>,
-    key: String,
-}
-
-impl Drop for MovingGuard {
-    fn drop(&mut self) {
-        lock(&self.moving).remove(&self.key);
-    }
-}
-
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-async fn serve_client(stream: UnixStream, owner: u32, moving: Arc<Mutex<HashSet<String>>>) {
+async fn reject(channel: &mut Channel<UnixStream>, reason: String) {
+    let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+}
+
+async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
     let peer_uid = stream.peer_cred().map(|c| c.uid()).ok();
     let mut channel = Channel::new(stream);
     if !matches!(peer_uid, Some(uid) if uid == 0 || uid == owner) {
@@ -152,11 +315,7 @@ async fn serve_client(stream: UnixStream, owner: u32, moving: Arc<Mutex<HashSet<
             "refused a client that is neither root nor the daemon's user"
         );
         let reason = "permission denied: only root and the daemon's user may ask for moves";
-        let _ = channel
-            .send(&DaemonMessage::Rejected {
-                reason: reason.into(),
-            })
-            .await;
+        reject(&mut channel, reason.into()).await;
         return;
     }
     let request = match tokio::time::timeout(REQUEST_TIMEOUT, channel.receive()).await {
@@ -165,56 +324,118 @@ async fn serve_client(stream: UnixStream, owner: u32, moving: Arc<Mutex<HashSet<
         Ok(Err(e)) => {
             let reason = format!("bad request: {}", error_chain(&e));
             tracing::warn!("{reason}");
-            let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+            reject(&mut channel, reason).await;
             return;
         }
         Err(_) => {
             let reason = format!("no request within {} s", REQUEST_TIMEOUT.as_secs());
-            let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+            reject(&mut channel, reason).await;
             return;
         }
     };
-    let ClientRequest::Migrate { plan } = request;
+    match request {
+        ClientRequest::Migrate { plan } => serve_move(channel, *plan, shared).await,
+        ClientRequest::Status => {
+            let mut moves: Vec<RunningMove> = lock(&shared.running).values().cloned().collect();
+            moves.sort_by(|a, b| a.id.cmp(&b.id));
+            let limit = shared.config.max_moves;
+            forward(&mut channel, &DaemonMessage::Status { moves, limit }).await;
+        }
+        ClientRequest::History { limit } => {
+            let moves = history(&shared.moves_dir(), limit);
+            forward(&mut channel, &DaemonMessage::History { moves }).await;
+        }
+        ClientRequest::Report { id } => match load_report(&shared.moves_dir(), &id) {
+            Ok(report) => {
+                let message = DaemonMessage::Report {
+                    report: Box::new(report),
+                };
+                forward(&mut channel, &message).await;
+            }
+            Err(reason) => reject(&mut channel, reason).await,
+        },
+    }
+}
+
+/// The reports of ended moves, newest first.
+fn history(dir: &Path, limit: usize) -> Vec<MoveSummary> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut moves: Vec<MoveSummary> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| std::fs::read(e.path()).ok())
+        .filter_map(|bytes| serde_json::from_slice::<MoveReport>(&bytes).ok())
+        .map(|r| MoveSummary {
+            id: r.id,
+            vm: r.plan.vm,
+            outcome: r.final_phase,
+            started_unix_ms: r.timeline.started_unix_ms,
+            total_ms: r.timeline.total_ms,
+            error: r.error,
+        })
+        .collect();
+    moves.sort_by(|a, b| {
+        b.started_unix_ms
+            .cmp(&a.started_unix_ms)
+            .then(b.id.cmp(&a.id))
+    });
+    moves.truncate(limit);
+    moves
+}
+
+fn load_report(dir: &Path, id: &str) -> Result<MoveReport, String> {
+    if id.is_empty() || id != sanitize(id) || id.len() > 128 {
+        return Err(format!("{id:?} is not a move id"));
+    }
+    let path = dir.join(format!("{id}.json"));
+    let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            format!("no report for move {id} (running moves have none yet; see `rdmamig status`)")
+        }
+        _ => format!("cannot read {}: {e}", path.display()),
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| format!("the report {} is corrupt: {e}", path.display()))
+}
+
+async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Arc<Shared>) {
     if let Err(e) = plan.validate() {
-        let reason = format!("the plan cannot run: {e}");
-        let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+        reject(&mut channel, format!("the plan cannot run: {e}")).await;
         return;
     }
-    let key = plan.source.qmp.display().to_string();
-    if !lock(&moving).insert(key.clone()) {
-        let reason = format!(
-            "VM {} (QMP {key}) is already moving; one move at a time",
-            plan.vm
-        );
-        let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
-        return;
-    }
-    let _guard = MovingGuard { moving, key };
-    tracing::info!(vm = %plan.vm, strategy = %plan.strategy, "move started");
-    let (events, mut received) = mpsc::unbounded_channel();
-    let task = tokio::spawn(run_move(plan, events));
-    let mut client_alive = true;
-    while let Some(event) = received.recv().await {
-        if client_alive {
-            client_alive = forward(&mut channel, &DaemonMessage::Event { event }).await;
-        }
-    }
-    let report = match task.await {
-        Ok(report) => report,
-        Err(e) => {
-            tracing::error!("the move task ended abnormally: {e}");
-            let reason = format!("internal error: the move task ended abnormally: {e}");
-            let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+    let id = match shared.admit(&plan.vm, false) {
+        Ok(id) => id,
+        Err(reason) => {
+            reject(&mut channel, reason).await;
             return;
         }
     };
-    match &report.error {
-        None => {
-            tracing::info!(vm = %report.plan.vm, total_ms = report.timeline.total_ms, "move done")
+    let journal = match Journal::create(&shared.moves_dir(), &id, &plan) {
+        Ok(journal) => journal,
+        Err(e) => {
+            lock(&shared.running).remove(&id);
+            reject(
+                &mut channel,
+                format!("the move cannot be journaled: {}", error_chain(&e)),
+            )
+            .await;
+            return;
         }
-        Some(error) => tracing::warn!(vm = %report.plan.vm, "move failed: {error}"),
-    }
-    if client_alive {
+    };
+    tracing::info!(move_id = %id, vm = %plan.vm, strategy = %plan.strategy, "move started");
+    let (events, received) = mpsc::unbounded_channel();
+    let task = run_move(
+        id.clone(),
+        plan,
+        journal,
+        shared.config.context.clone(),
+        events,
+    );
+    let report = drive(&shared, &id, task, received, Some(&mut channel)).await;
+    if let Some(report) = report {
+        shared.finish(&report);
         forward(
             &mut channel,
             &DaemonMessage::Report {
@@ -222,6 +443,40 @@ async fn serve_client(stream: UnixStream, owner: u32, moving: Arc<Mutex<HashSet<
             },
         )
         .await;
+    }
+}
+
+/// Runs a move task to its end, tracking its phase and forwarding its events to a client
+/// while the client is there.
+async fn drive(
+    shared: &Shared,
+    id: &str,
+    task: impl std::future::Future<Output = MoveReport> + Send + 'static,
+    mut received: mpsc::UnboundedReceiver<MoveEvent>,
+    mut client: Option<&mut Channel<UnixStream>>,
+) -> Option<MoveReport> {
+    let task = tokio::spawn(task);
+    while let Some(event) = received.recv().await {
+        if let MoveEvent::PhaseStarted { phase, .. } = &event {
+            shared.set_phase(id, *phase);
+        }
+        if let Some(channel) = client.as_deref_mut() {
+            if !forward(channel, &DaemonMessage::Event { event }).await {
+                client = None;
+            }
+        }
+    }
+    match task.await {
+        Ok(report) => Some(report),
+        Err(e) => {
+            tracing::error!(move_id = %id, "the move task ended abnormally: {e}");
+            lock(&shared.running).remove(id);
+            if let Some(channel) = client {
+                let reason = format!("internal error: the move task ended abnormally: {e}");
+                reject(channel, reason).await;
+            }
+            None
+        }
     }
 }
 

@@ -5,8 +5,10 @@
 //! - [`machine`]: the move as one state machine (phases and the one transition function);
 //! - [`timeline`]: start/end timestamps and durations of every phase;
 //! - [`plan`]: what a move is asked to do (endpoints, devices, strategy, deadlines);
+//! - [`journal`]: the crash-safe, fsynced record of every move's steps;
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
-//! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent;
+//! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
+//!   takes the forced paths, rolls back, and recovers a move from its journal;
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
 //! - [`cli`]: how the CLI shows progress and the final timeline.
@@ -15,6 +17,9 @@ pub mod agent;
 pub mod api;
 pub mod cli;
 pub mod daemon;
+#[cfg(test)]
+mod fakes;
+pub mod journal;
 pub mod machine;
 pub mod mover;
 pub mod plan;

@@ -3,8 +3,14 @@
 //! Every move walks the same phases in the same order; a strategy that has nothing to do in a
 //! phase (the `naive` baseline has no quiesce and no resume) still passes through it and
 //! records it as skipped, so timelines of different strategies line up phase by phase and the
-//! transition function does not depend on the strategy. Any working phase may fail; `Done`
-//! and `Failed` are final.
+//! transition function does not depend on the strategy.
+//!
+//! A failure before the destination resumes the guest's connections leads to `Rollback`
+//! (the VM goes back to the source with its device and its connections resumed there), which
+//! ends in `RolledBack`, or in `Failed` when the rollback itself fails. Once the destination
+//! has started resuming connections, the peers may have exchanged messages with the moved
+//! guest, so going back would lose them: a failure in `Resume` ends in `Failed`. `Done`,
+//! `RolledBack` and `Failed` are final.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -25,9 +31,13 @@ pub enum Phase {
     Attach,
     /// The guest agent reconnects every connection on the new device.
     Resume,
+    /// The move failed before the point of no return: put the VM back as it was.
+    Rollback,
     /// The move completed.
     Done,
-    /// The move stopped with an error.
+    /// The move failed and the VM runs on the source as before, with its device.
+    RolledBack,
+    /// The move stopped with an error and could not be undone.
     Failed,
 }
 
@@ -43,14 +53,16 @@ impl Phase {
     ];
 
     /// Every phase.
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Prepare,
         Phase::Quiesce,
         Phase::Detach,
         Phase::Migrate,
         Phase::Attach,
         Phase::Resume,
+        Phase::Rollback,
         Phase::Done,
+        Phase::RolledBack,
         Phase::Failed,
     ];
 
@@ -63,14 +75,25 @@ impl Phase {
             Phase::Migrate => "migrate",
             Phase::Attach => "attach",
             Phase::Resume => "resume",
+            Phase::Rollback => "rollback",
             Phase::Done => "done",
+            Phase::RolledBack => "rolled_back",
             Phase::Failed => "failed",
         }
     }
 
     /// Whether no step leads out of this phase.
     pub fn is_final(self) -> bool {
-        matches!(self, Phase::Done | Phase::Failed)
+        matches!(self, Phase::Done | Phase::RolledBack | Phase::Failed)
+    }
+
+    /// Whether a failure in this phase is undone by a rollback (the destination has not
+    /// started resuming the guest's connections yet).
+    pub fn can_roll_back(self) -> bool {
+        matches!(
+            self,
+            Phase::Prepare | Phase::Quiesce | Phase::Detach | Phase::Migrate | Phase::Attach
+        )
     }
 
     fn next(self) -> Option<Phase> {
@@ -81,7 +104,8 @@ impl Phase {
             Phase::Migrate => Some(Phase::Attach),
             Phase::Attach => Some(Phase::Resume),
             Phase::Resume => Some(Phase::Done),
-            Phase::Done | Phase::Failed => None,
+            Phase::Rollback => Some(Phase::RolledBack),
+            Phase::Done | Phase::RolledBack | Phase::Failed => None,
         }
     }
 }
@@ -105,7 +129,9 @@ impl std::str::FromStr for Phase {
 
 /// A phase name that is not one.
 #[derive(Debug, Error, PartialEq, Eq)]
-#[error("unknown phase {name:?} (phases: prepare, quiesce, detach, migrate, attach, resume)")]
+#[error(
+    "unknown phase {name:?} (phases: prepare, quiesce, detach, migrate, attach, resume, rollback)"
+)]
 pub struct UnknownPhase {
     /// The name given.
     pub name: String,
@@ -121,9 +147,12 @@ pub struct InvalidTransition {
     pub to: Phase,
 }
 
-/// The one transition function: the next working phase, or `Failed` from any working phase.
+/// The one transition function: the next phase; `Rollback` from a phase that can roll back;
+/// `Failed` from any phase that is not final.
 pub fn transition(from: Phase, to: Phase) -> Result<Phase, InvalidTransition> {
-    let allowed = from.next() == Some(to) || (to == Phase::Failed && !from.is_final());
+    let allowed = from.next() == Some(to)
+        || (to == Phase::Rollback && from.can_roll_back())
+        || (to == Phase::Failed && !from.is_final());
     if allowed {
         Ok(to)
     } else {
@@ -150,6 +179,13 @@ mod tests {
             (Phase::Migrate, Phase::Failed),
             (Phase::Attach, Phase::Failed),
             (Phase::Resume, Phase::Failed),
+            (Phase::Prepare, Phase::Rollback),
+            (Phase::Quiesce, Phase::Rollback),
+            (Phase::Detach, Phase::Rollback),
+            (Phase::Migrate, Phase::Rollback),
+            (Phase::Attach, Phase::Rollback),
+            (Phase::Rollback, Phase::RolledBack),
+            (Phase::Rollback, Phase::Failed),
         ];
         let mut checked = 0;
         for from in Phase::ALL {
@@ -167,7 +203,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 64);
+        assert_eq!(checked, 100);
     }
 
     #[test]
@@ -176,6 +212,12 @@ mod tests {
         assert_eq!(err.to_string(), "invalid move step from detach to prepare");
         assert!(transition(Phase::Done, Phase::Failed).is_err());
         assert!(transition(Phase::Failed, Phase::Failed).is_err());
+        assert_eq!(
+            transition(Phase::Resume, Phase::Rollback)
+                .unwrap_err()
+                .to_string(),
+            "invalid move step from resume to rollback"
+        );
     }
 
     #[test]
@@ -193,6 +235,6 @@ mod tests {
                 name: "unplug".into()
             })
         );
-        assert_eq!(Phase::WORKING.len() + 2, Phase::ALL.len());
+        assert_eq!(Phase::WORKING.len() + 4, Phase::ALL.len());
     }
 }

@@ -4,15 +4,26 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use rdmamig_migrator::api::ClientRequest;
 use rdmamig_migrator::cli::{self, Output};
-use rdmamig_migrator::mover::error_chain;
+use rdmamig_migrator::daemon::DaemonConfig;
+use rdmamig_migrator::machine::Phase;
+use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, QemuBackends};
 use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
 use rdmamig_vmm::DeviceSpec;
 
 /// The daemon socket when none is given.
 const DEFAULT_SOCKET: &str = "/run/rdmamig/rdmamig.sock";
+
+/// The daemon's state directory when none is given.
+const DEFAULT_STATE_DIR: &str = "/var/lib/rdmamig";
+
+/// Fault injection for the crash tests: the daemon aborts once it has journaled this phase
+/// (a phase name, or `rollback`), as if it were killed at that phase boundary.
+const CRASH_AT_ENV: &str = "RDMAMIG_CRASH_AT";
 
 #[derive(Parser)]
 #[command(
@@ -45,15 +56,55 @@ enum Command {
         /// The socket to listen on.
         #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
+        /// Where move journals and reports are kept (`<dir>/moves/`). Unfinished moves found
+        /// there at start-up are finished or rolled back.
+        #[arg(long, env = "RDMAMIG_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+        /// How many moves (of different VMs) may run at once.
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+        max_moves: u16,
+    },
+    /// The moves running now.
+    Status {
+        /// The daemon's socket.
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The moves that ended, newest first.
+    History {
+        /// The daemon's socket.
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// At most this many.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The report of one ended move (its id is in `rdmamig history`).
+    Report {
+        /// The move's id.
+        id: String,
+        /// The daemon's socket.
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// Print the JSON report.
+        #[arg(long)]
+        json: bool,
     },
     /// Move a VM to another VMM process, keeping its RDMA connections.
     #[command(
         long_about = "Move a VM to another VMM process, keeping its RDMA connections.\n\n\
 The destination VMM must already run with the VM's configuration minus the detached NIC and \
 `-incoming defer` (QEMU). Progress is printed as it happens, then the timeline with every \
-phase's duration. Exit status: 0 when the move is done, 1 when it failed (the message says \
-which phase, why, and where the VM is), 2 for usage errors, 3 when the daemon could not be \
-asked.\n\n\
+phase's duration. Exit status: 0 when the move is done, 4 when it failed and was rolled back \
+(the VM runs on the source with its device, connections resumed), 1 when it failed and could \
+not be rolled back (the message says which phase, why, and where the VM is), 2 for usage \
+errors, 3 when the daemon could not be asked.\n\n\
 Baseline without the guest agent (what operators do today):\n  \
 rdmamig migrate --vm vm1 --qmp src/qmp.sock --detach nic0 --to-qmp dst/qmp.sock \\\n    \
 --attach driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1 --via unix:dst/mig.sock \\\n    \
@@ -91,6 +142,10 @@ struct MigrateArgs {
     /// 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11'.
     #[arg(long)]
     attach: DeviceSpec,
+    /// The device to plug back on the source if the move rolls back after the detach
+    /// (default: the --attach device).
+    #[arg(long)]
+    reattach: Option<DeviceSpec>,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
     via: String,
@@ -99,7 +154,7 @@ struct MigrateArgs {
     #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
     strategy: Strategy,
     /// A phase deadline, phase=ms (repeatable). Defaults: prepare=10000 quiesce=10000
-    /// detach=5000 migrate=60000 attach=5000 resume=20000.
+    /// detach=5000 migrate=60000 attach=5000 resume=20000 rollback=30000.
     #[arg(long = "deadline", value_name = "PHASE=MS")]
     deadlines: Vec<String>,
     /// Write the JSON report (timeline, migration figures, per-connection outcomes) here.
@@ -128,8 +183,31 @@ fn main() -> ExitCode {
         }
     };
     match args.command {
-        Command::Daemon { socket } => {
-            match runtime.block_on(rdmamig_migrator::daemon::serve(&socket)) {
+        Command::Daemon {
+            socket,
+            state_dir,
+            max_moves,
+        } => {
+            let boundary = match std::env::var(CRASH_AT_ENV) {
+                Ok(name) => match name.parse::<Phase>() {
+                    Ok(crash_at) => Some(crash_hook(crash_at)),
+                    Err(e) => {
+                        eprintln!("rdmamig daemon: {CRASH_AT_ENV}: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                Err(_) => None,
+            };
+            let config = DaemonConfig {
+                socket,
+                state_dir,
+                max_moves: usize::from(max_moves),
+                context: MoveContext {
+                    backends: Arc::new(QemuBackends),
+                    boundary,
+                },
+            };
+            match runtime.block_on(rdmamig_migrator::daemon::serve(config)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("rdmamig daemon: {}", error_chain(&e));
@@ -138,6 +216,58 @@ fn main() -> ExitCode {
             }
         }
         Command::Migrate(args) => migrate(&runtime, *args),
+        Command::Status { socket, json } => {
+            query(&runtime, &socket, ClientRequest::Status, output(json))
+        }
+        Command::History {
+            socket,
+            limit,
+            json,
+        } => query(
+            &runtime,
+            &socket,
+            ClientRequest::History { limit },
+            output(json),
+        ),
+        Command::Report { id, socket, json } => query(
+            &runtime,
+            &socket,
+            ClientRequest::Report { id },
+            output(json),
+        ),
+    }
+}
+
+fn output(json: bool) -> Output {
+    if json {
+        Output::Json
+    } else {
+        Output::Text
+    }
+}
+
+/// Aborts the process when the move reaches `crash_at` (see [`CRASH_AT_ENV`]).
+fn crash_hook(crash_at: Phase) -> BoundaryHook {
+    Arc::new(move |phase| {
+        if phase == crash_at {
+            eprintln!("rdmamig daemon: {CRASH_AT_ENV}={crash_at}: aborting at this boundary");
+            std::process::abort();
+        }
+    })
+}
+
+fn query(
+    runtime: &tokio::runtime::Runtime,
+    socket: &std::path::Path,
+    request: ClientRequest,
+    output: Output,
+) -> ExitCode {
+    match runtime.block_on(cli::query(socket, request, output)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rdmamig: {}", error_chain(&e));
+            ExitCode::from(3)
+        }
     }
 }
 
@@ -161,6 +291,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         },
         detach: args.detach,
         attach: args.attach,
+        reattach: args.reattach,
         via: args.via,
         strategy: args.strategy,
         deadlines,
@@ -186,7 +317,11 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
                 "rdmamig migrate: {}",
                 report.error.as_deref().unwrap_or("the move failed")
             );
-            ExitCode::from(1)
+            if report.final_phase == Phase::RolledBack {
+                ExitCode::from(4)
+            } else {
+                ExitCode::from(1)
+            }
         }
         Err(e) => {
             eprintln!("rdmamig migrate: {}", error_chain(&e));

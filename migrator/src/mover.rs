@@ -1,18 +1,34 @@
-//! Runs one move: the phases of [`crate::machine`] against two QEMU processes and the guest
-//! agent, each under its deadline, recorded in a [`Timeline`], reported as it goes.
+//! Runs one move: the phases of [`crate::machine`] against the two VMMs and the guest agent,
+//! each under its deadline, journaled before it acts, recorded in a [`Timeline`], reported
+//! as it goes; and undoes a move that fails before the point of no return.
 //!
-//! The source and destination are two VMM processes on this host (the destination started
-//! with `-incoming defer`). Each phase body does the VMM or agent calls the phase stands for;
-//! the runner around it owns the state machine, the deadline, the timeline and the events, so
-//! a phase body cannot forget any of them.
+//! The runner owns the state machine, the journal, the deadlines, the timeline and the
+//! events, so that a phase body cannot forget any of them. The VMMs and the agent are reached
+//! through [`Backends`] and [`GuestAgent`], so that every failure path is unit-tested against
+//! fakes and the same runner drives QEMU (or another VMM backend) in production.
 //!
-//! A failed move is not rolled back yet: the report says where the VM is (source until the
-//! migration completed, destination after) so that an operator knows what to repair.
+//! Failure paths:
+//! - **forced paths.** A quiesce the agent does not answer, or that some connections fail
+//!   (the peer did not acknowledge the PAUSE), is recorded as forced and the move goes on:
+//!   the guest library recovers a connection whose device vanished without a quiesce
+//!   (it waits for its peer and replays). A detach the guest does not complete (a process
+//!   holds its device context) and a migration that stalls pass their deadlines and roll the
+//!   move back (the migration is cancelled first). Every forced path is in the timeline and
+//!   in the report's `forced` list.
+//! - **rollback.** Any failure before the destination resumes connections rolls back: a
+//!   migration in flight is cancelled (one that completed is undone by stopping the
+//!   destination and letting the source run again: the guest had not talked to any peer
+//!   from the destination yet), the device is plugged back on the source, the agent resumes
+//!   the connections there, and the reservation on the destination is released.
+//! - **recovery.** A migrator that restarts reads the journal of a move that did not end and
+//!   [`recover`]s it: forward when the migration had completed, back otherwise.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
@@ -23,7 +39,8 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::agent::{AgentClient, AgentError, Outcomes};
+use crate::agent::{AgentClient, AgentError, GuestAgent, Outcomes};
+use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
 use crate::plan::{Endpoint, MovePlan, Strategy};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
@@ -37,6 +54,49 @@ const PING_ATTEMPT: Duration = Duration::from_millis(1000);
 
 /// Migration progress is reported at most this often (and on every status change).
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
+
+/// How often a rollback polls the source while a cancelled migration winds down.
+const CANCEL_POLL: Duration = Duration::from_millis(50);
+
+/// How the mover reaches VMMs and guest agents.
+#[async_trait]
+pub trait Backends: Send + Sync {
+    /// Connects to the VMM of one end of the move.
+    async fn connect(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError>;
+
+    /// Opens a session with the guest agent through `vmm`'s agent channel.
+    async fn agent(&self, vmm: &dyn Vmm) -> Result<Box<dyn GuestAgent>, VmmError>;
+}
+
+/// QEMU VMMs over QMP, the agent over virtio-serial.
+#[derive(Debug, Default)]
+pub struct QemuBackends;
+
+#[async_trait]
+impl Backends for QemuBackends {
+    async fn connect(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError> {
+        let mut config = QemuConfig::new(&endpoint.qmp);
+        config.agent.clone_from(&endpoint.agent);
+        Ok(Arc::new(QemuVmm::connect(config).await?))
+    }
+
+    async fn agent(&self, vmm: &dyn Vmm) -> Result<Box<dyn GuestAgent>, VmmError> {
+        Ok(Box::new(AgentClient::new(vmm.open_agent_channel().await?)))
+    }
+}
+
+/// Called with each phase once it is journaled and before it acts (fault injection: the
+/// daemon aborts there when told to, which is how tests kill it at every phase boundary).
+pub type BoundaryHook = Arc<dyn Fn(Phase) + Send + Sync>;
+
+/// What a move needs besides its plan.
+#[derive(Clone)]
+pub struct MoveContext {
+    /// The VMMs and agents.
+    pub backends: Arc<dyn Backends>,
+    /// Called at every phase boundary.
+    pub boundary: Option<BoundaryHook>,
+}
 
 /// What a move reports while it runs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -86,22 +146,40 @@ pub enum VmLocation {
     Destination,
 }
 
+/// A forced path the move took.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForcedPath {
+    /// The phase.
+    pub phase: Phase,
+    /// What was forced and why.
+    pub reason: String,
+}
+
 /// The outcome of a move.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoveReport {
+    /// The move's id (its journal and report files are named after it).
+    pub id: String,
     /// The plan that ran.
     pub plan: MovePlan,
     /// Whether the move reached `done`.
     pub ok: bool,
-    /// `done`, or `failed`.
+    /// `done`, `rolled_back` or `failed`.
     pub final_phase: Phase,
     /// The phase that failed, if one did.
     pub failed_phase: Option<Phase>,
     /// The error, with its causes, if the move failed.
     pub error: Option<String>,
+    /// Why the rollback could not finish, if it did not.
+    pub rollback_error: Option<String>,
     /// Where the VM is now.
     pub vm_location: VmLocation,
-    /// Every phase with its times.
+    /// The forced paths taken.
+    pub forced: Vec<ForcedPath>,
+    /// Set when a restarted migrator finished this move from its journal: the last phase
+    /// the killed migrator had entered.
+    pub recovered_from: Option<Phase>,
+    /// Every phase with its times (after a restart: the phases the restarted migrator ran).
     pub timeline: Timeline,
     /// The connections the agent listed at prepare.
     pub connections: Vec<ConnectionInfo>,
@@ -122,6 +200,9 @@ pub enum StepError {
     /// An agent exchange failed.
     #[error(transparent)]
     Agent(#[from] AgentError),
+    /// The journal could not record the step, so the step did not act.
+    #[error(transparent)]
+    Journal(#[from] JournalError),
     /// A VMM is not in the state the phase needs.
     #[error("the {side} VM is {state}, {expected}")]
     VmState {
@@ -145,6 +226,12 @@ pub enum StepError {
     /// The phase as a whole ran past its deadline (a call inside ignored its own).
     #[error("a step did not return in time")]
     Stalled,
+    /// The migrator was restarted while the phase ran.
+    #[error("the migrator was restarted during {phase}")]
+    Interrupted {
+        /// The phase.
+        phase: Phase,
+    },
 }
 
 impl StepError {
@@ -153,7 +240,10 @@ impl StepError {
             StepError::Vmm(e) => e.is_timeout(),
             StepError::Agent(e) => e.is_timeout(),
             StepError::Stalled => true,
-            StepError::VmState { .. } | StepError::ConnectionsLost { .. } => false,
+            StepError::Journal(_)
+            | StepError::VmState { .. }
+            | StepError::ConnectionsLost { .. }
+            | StepError::Interrupted { .. } => false,
         }
     }
 }
@@ -222,75 +312,236 @@ impl Finished {
     }
 }
 
-/// Runs `plan` to the end, sending events to `events`, and returns the report.
-///
-/// The plan must have passed [`MovePlan::validate`].
-pub async fn run_move(plan: MovePlan, events: UnboundedSender<MoveEvent>) -> MoveReport {
-    let mut mover = Mover {
-        plan,
-        events,
-        recorder: TimelineRecorder::start(),
-        phase: Phase::Prepare,
-        source: None,
-        destination: None,
-        agent: None,
-        connections: Vec::new(),
-        quiesce: Vec::new(),
-        resume: Vec::new(),
-        migration: None,
-        location: VmLocation::Source,
-    };
-    let result = mover.run().await;
-    let failed_phase = result.as_ref().err().map(|(phase, _)| *phase);
-    let error = result.err().map(|(_, e)| error_chain(&e));
-    let Mover {
-        plan,
-        recorder,
-        phase,
-        connections,
-        quiesce,
-        resume,
-        migration,
-        location,
-        ..
-    } = mover;
-    MoveReport {
-        plan,
-        ok: phase == Phase::Done,
-        final_phase: phase,
-        failed_phase,
-        error,
-        vm_location: location,
-        timeline: recorder.finish(),
-        connections,
-        quiesce,
-        resume,
-        migration,
-    }
+/// Which end of the move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Source,
+    Destination,
 }
 
+/// Runs `plan` to the end under the journal `journal` (already holding its `begin` record),
+/// sending events to `events`, and returns the report.
+///
+/// The plan must have passed [`MovePlan::validate`].
+pub async fn run_move(
+    id: String,
+    plan: MovePlan,
+    journal: Journal,
+    context: MoveContext,
+    events: UnboundedSender<MoveEvent>,
+) -> MoveReport {
+    let mut mover = Mover::new(id, plan, journal, context, events);
+    let result = mover.run(&Phase::WORKING).await;
+    mover.report(result)
+}
+
+/// Finishes or rolls back a move a killed migrator left unfinished, from its journal.
+///
+/// The move goes forward when its migration had completed (journaled, or the source VMM
+/// says so: the kill may have come between the two) and back otherwise. A rollback that had
+/// started goes on.
+pub async fn recover(
+    replay: Replay,
+    journal: Journal,
+    context: MoveContext,
+    events: UnboundedSender<MoveEvent>,
+) -> MoveReport {
+    let mut mover = Mover::new(
+        replay.id.clone(),
+        replay.plan.clone(),
+        journal,
+        context,
+        events,
+    );
+    mover.ids = replay.connections();
+    let last = replay.last_phase();
+    mover.recovered_from = Some(last.unwrap_or(Phase::Prepare));
+    mover.reached = last.unwrap_or(Phase::Prepare);
+    mover.migrated = replay.migrated();
+    mover.phase = mover.reached;
+    let result = match (replay.rolling_back(), last) {
+        (Some(reason), _) => {
+            mover.warn(format!(
+                "the migrator restarted during the rollback ({reason}); going on with it"
+            ));
+            mover.phase = Phase::Rollback;
+            let failed = mover.reached;
+            match mover.finish_rollback(failed).await {
+                Ok(()) => Err((
+                    failed,
+                    MoveError::PhaseFailed {
+                        phase: failed,
+                        cause: StepError::Interrupted { phase: failed },
+                    },
+                )),
+                Err(e) => Err(e),
+            }
+        }
+        (None, None) => {
+            let cause = StepError::Interrupted {
+                phase: Phase::Prepare,
+            };
+            mover
+                .fail_and_roll_back(
+                    Phase::Prepare,
+                    MoveError::PhaseFailed {
+                        phase: Phase::Prepare,
+                        cause,
+                    },
+                )
+                .await
+        }
+        (None, Some(last)) => mover.recover_from(last).await,
+    };
+    mover.report(result)
+}
+
+/// How a move ended, as the runner sees it: `Ok` for done, or the failed phase and error.
+type RunResult = Result<(), (Phase, MoveError)>;
+
 struct Mover {
+    id: String,
     plan: MovePlan,
     events: UnboundedSender<MoveEvent>,
     recorder: TimelineRecorder,
+    journal: Journal,
+    context: MoveContext,
     phase: Phase,
-    source: Option<QemuVmm>,
-    destination: Option<QemuVmm>,
-    agent: Option<AgentClient>,
+    /// The last working phase entered (and journaled).
+    reached: Phase,
+    /// Whether the migration completed.
+    migrated: bool,
+    source: Option<Arc<dyn Vmm>>,
+    destination: Option<Arc<dyn Vmm>>,
+    agent: Option<Box<dyn GuestAgent>>,
     connections: Vec<ConnectionInfo>,
+    ids: Vec<ConnectionId>,
     quiesce: Vec<ConnectionOutcome>,
     resume: Vec<ConnectionOutcome>,
     migration: Option<MigrationProgress>,
     location: VmLocation,
+    forced: Vec<ForcedPath>,
+    rollback_error: Option<String>,
+    recovered_from: Option<Phase>,
 }
 
 impl Mover {
-    async fn run(&mut self) -> Result<(), (Phase, MoveError)> {
-        for (index, phase) in Phase::WORKING.into_iter().enumerate() {
-            if index > 0 {
+    fn new(
+        id: String,
+        plan: MovePlan,
+        journal: Journal,
+        context: MoveContext,
+        events: UnboundedSender<MoveEvent>,
+    ) -> Mover {
+        Mover {
+            id,
+            plan,
+            events,
+            recorder: TimelineRecorder::start(),
+            journal,
+            context,
+            phase: Phase::Prepare,
+            reached: Phase::Prepare,
+            migrated: false,
+            source: None,
+            destination: None,
+            agent: None,
+            connections: Vec::new(),
+            ids: Vec::new(),
+            quiesce: Vec::new(),
+            resume: Vec::new(),
+            migration: None,
+            location: VmLocation::Source,
+            forced: Vec::new(),
+            rollback_error: None,
+            recovered_from: None,
+        }
+    }
+
+    fn report(mut self, result: RunResult) -> MoveReport {
+        let failed_phase = result.as_ref().err().map(|(phase, _)| *phase);
+        let error = result.err().map(|(_, e)| error_chain(&e));
+        let final_phase = self.phase;
+        if let Err(e) = self.journal.append(&Record::End { phase: final_phase }) {
+            tracing::error!(move_id = %self.id, "{}", error_chain(&e));
+        }
+        MoveReport {
+            id: self.id,
+            plan: self.plan,
+            ok: final_phase == Phase::Done,
+            final_phase,
+            failed_phase,
+            error,
+            rollback_error: self.rollback_error,
+            vm_location: self.location,
+            forced: self.forced,
+            recovered_from: self.recovered_from,
+            timeline: self.recorder.finish(),
+            connections: self.connections,
+            quiesce: self.quiesce,
+            resume: self.resume,
+            migration: self.migration,
+        }
+    }
+
+    /// Decides, after a restart, whether the move goes forward or back, and does it.
+    async fn recover_from(&mut self, last: Phase) -> RunResult {
+        let mut migrated = self.migrated;
+        if !migrated && last >= Phase::Migrate {
+            // The kill may have come after the migration completed and before the journal
+            // said so: the source VMM knows.
+            match self.vmm(Side::Source).await {
+                Ok(source) => match source.status().await {
+                    Ok(status) => migrated = status.state == "postmigrate",
+                    Err(e) => self.warn(format!(
+                        "cannot ask the source whether the migration completed: {}",
+                        error_chain(&e)
+                    )),
+                },
+                Err(e) => self.warn(format!(
+                    "cannot reach the source after the restart: {}",
+                    error_chain(&e)
+                )),
+            }
+        }
+        if migrated {
+            self.migrated = true;
+            self.location = VmLocation::Destination;
+            self.warn(format!(
+                "the migrator restarted during {last}; the migration had completed: finishing the move"
+            ));
+            let rest: Vec<Phase> = Phase::WORKING
+                .into_iter()
+                .filter(|p| *p >= last.max(Phase::Attach))
+                .collect();
+            // Re-enter the last phase (its step may not have happened).
+            self.phase = rest[0];
+            self.run(&rest).await
+        } else {
+            self.warn(format!(
+                "the migrator restarted during {last}; the migration had not completed: rolling back"
+            ));
+            let cause = StepError::Interrupted { phase: last };
+            self.fail_and_roll_back(last, MoveError::PhaseFailed { phase: last, cause })
+                .await
+        }
+    }
+
+    /// Runs `phases` in order; the first is entered without a transition when it is the
+    /// phase the move already stands in (a fresh move, or a recovery re-entering a phase).
+    async fn run(&mut self, phases: &[Phase]) -> RunResult {
+        for &phase in phases {
+            if phase != self.phase {
                 self.phase = transition(self.phase, phase).map_err(|e| (self.phase, e.into()))?;
             }
             let deadline = self.plan.deadlines.of(phase);
+            if let Err(e) = self.enter(phase) {
+                let error = MoveError::PhaseFailed {
+                    phase,
+                    cause: e.into(),
+                };
+                return self.fail_and_roll_back(phase, error).await;
+            }
             let started = self.recorder.begin(phase, millis(deadline));
             self.emit(MoveEvent::PhaseStarted {
                 phase,
@@ -319,14 +570,184 @@ impl Mover {
                         error: error_chain(&error),
                     };
                     self.end_phase(outcome, Map::new());
-                    self.phase = transition(self.phase, Phase::Failed)
-                        .map_err(|e| (self.phase, e.into()))?;
-                    self.cleanup_after_failure(phase).await;
-                    return Err((phase, error));
+                    return self.fail_and_roll_back(phase, error).await;
                 }
             }
         }
         self.phase = transition(self.phase, Phase::Done).map_err(|e| (self.phase, e.into()))?;
+        Ok(())
+    }
+
+    /// Journals `phase` durably, then lets the boundary hook see it.
+    fn enter(&mut self, phase: Phase) -> Result<(), JournalError> {
+        self.journal.append(&Record::Enter { phase })?;
+        if phase <= Phase::Resume {
+            self.reached = phase;
+        }
+        if let Some(hook) = &self.context.boundary {
+            hook(phase);
+        }
+        Ok(())
+    }
+
+    /// Ends a move that failed in `failed`: rolls back when the phase allows it.
+    async fn fail_and_roll_back(&mut self, failed: Phase, error: MoveError) -> RunResult {
+        if !failed.can_roll_back() {
+            self.phase =
+                transition(self.phase, Phase::Failed).map_err(|e| (self.phase, e.into()))?;
+            return Err((failed, error));
+        }
+        self.phase = transition(self.phase, Phase::Rollback).map_err(|e| (self.phase, e.into()))?;
+        let reason = error_chain(&error);
+        if let Err(e) = self.journal.append(&Record::RollingBack { reason }) {
+            self.warn(format!(
+                "the rollback could not be journaled ({}); rolling back anyway",
+                error_chain(&e)
+            ));
+        }
+        match self.finish_rollback(failed).await {
+            Ok(()) | Err(_) => Err((failed, error)),
+        }
+    }
+
+    /// Runs the rollback phase; the move ends `rolled_back`, or `failed` if the rollback
+    /// itself fails. `Ok` only in the sense that the state machine accepted the steps.
+    async fn finish_rollback(&mut self, failed: Phase) -> RunResult {
+        let deadline = self.plan.deadlines.of(Phase::Rollback);
+        if let Some(hook) = &self.context.boundary {
+            hook(Phase::Rollback);
+        }
+        let started = self.recorder.begin(Phase::Rollback, millis(deadline));
+        self.emit(MoveEvent::PhaseStarted {
+            phase: Phase::Rollback,
+            unix_ms: started,
+            at_ms: self.recorder.elapsed_ms(),
+            deadline_ms: millis(deadline),
+        });
+        let mut steps = Vec::new();
+        let result = match tokio::time::timeout(deadline, self.undo(&mut steps)).await {
+            Ok(result) => result,
+            Err(_) => Err(StepError::Stalled),
+        };
+        let mut details = Map::new();
+        details.insert("failed_phase".into(), failed.name().into());
+        details.insert(
+            "steps".into(),
+            Value::Array(steps.into_iter().map(Value::from).collect()),
+        );
+        match result {
+            Ok(()) => {
+                self.end_phase(PhaseOutcome::Ok, details);
+                self.phase = transition(self.phase, Phase::RolledBack)
+                    .map_err(|e| (self.phase, e.into()))?;
+                Ok(())
+            }
+            Err(cause) => {
+                let text = error_chain(&cause);
+                self.end_phase(
+                    PhaseOutcome::Failed {
+                        error: text.clone(),
+                    },
+                    details,
+                );
+                self.rollback_error = Some(text);
+                self.phase =
+                    transition(self.phase, Phase::Failed).map_err(|e| (self.phase, e.into()))?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Puts the VM back on the source as it was before the move, step by step from how far
+    /// the move got; every step first checks whether it is still needed (a restarted
+    /// migrator may repeat it).
+    async fn undo(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
+        let reached = self.reached;
+        if reached >= Phase::Migrate {
+            let source = self.vmm(Side::Source).await?;
+            if !self.migrated {
+                source.cancel_migration().await?;
+                let end = Instant::now() + self.plan.deadlines.of(Phase::Rollback);
+                loop {
+                    let state = source.status().await?.state;
+                    match state.as_str() {
+                        "postmigrate" => {
+                            self.migrated = true;
+                            break;
+                        }
+                        "running" | "paused" => break,
+                        _ if Instant::now() >= end => {
+                            return Err(StepError::VmState {
+                                side: "source",
+                                state,
+                                expected: "still migrating after the cancel",
+                            })
+                        }
+                        _ => tokio::time::sleep(CANCEL_POLL).await,
+                    }
+                }
+                if !self.migrated {
+                    steps.push("migration cancelled".into());
+                }
+            }
+            if self.migrated {
+                let destination = self.vmm(Side::Destination).await;
+                match destination {
+                    Ok(destination) => match destination.quit().await {
+                        Ok(()) | Err(VmmError::Gone { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    },
+                    // Gone already (an earlier rollback attempt stopped it).
+                    Err(VmmError::Connect { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                steps.push("destination VMM stopped (the migrated copy is discarded)".into());
+                if !source.status().await?.running {
+                    source.resume().await?;
+                }
+                steps.push("source VM running again".into());
+                self.migrated = false;
+            }
+            self.location = VmLocation::Source;
+        }
+        if reached >= Phase::Detach {
+            let source = self.vmm(Side::Source).await?;
+            let spec = self.plan.reattach_spec().clone();
+            if source.has_device(&self.plan.detach).await? {
+                let message = format!(
+                    "device {} is still on the source; the guest may still be releasing it",
+                    self.plan.detach
+                );
+                self.warn(message.clone());
+                steps.push(message);
+            } else if source.has_device(spec.id()).await? {
+                steps.push(format!("device {} already back on the source", spec.id()));
+            } else {
+                source.add_device(&spec).await?;
+                steps.push(format!("device {} re-attached on the source", spec.id()));
+            }
+        }
+        if reached >= Phase::Quiesce && self.plan.strategy == Strategy::Reconnect {
+            // A fresh session: the old one may hold requests the agent never answered.
+            self.agent = None;
+            let source = self.vmm(Side::Source).await?;
+            let mut agent = self.context.backends.agent(source.as_ref()).await?;
+            let budget = self.plan.deadlines.of(Phase::Resume);
+            let start = Instant::now();
+            ping(agent.as_mut(), budget).await?;
+            let result = agent
+                .resume(&self.ids, budget.saturating_sub(start.elapsed()))
+                .await?;
+            self.resume = result.outcomes.clone();
+            let failed: Vec<_> = result.failed().collect();
+            if !failed.is_empty() {
+                return Err(connections_lost(&failed, self.ids.len()));
+            }
+            steps.push(format!(
+                "{} connections resumed on the source",
+                result.outcomes.len()
+            ));
+        }
         Ok(())
     }
 
@@ -342,7 +763,9 @@ impl Mover {
             Phase::Migrate => Box::pin(self.migrate(deadline)),
             Phase::Attach => Box::pin(self.attach()),
             Phase::Resume => Box::pin(self.resume_phase(deadline)),
-            Phase::Done | Phase::Failed => Box::pin(async { Ok(Finished::ok(Map::new())) }),
+            Phase::Rollback | Phase::Done | Phase::RolledBack | Phase::Failed => {
+                Box::pin(async { Ok(Finished::ok(Map::new())) })
+            }
         }
     }
 
@@ -352,11 +775,16 @@ impl Mover {
     }
 
     fn warn(&self, message: String) {
-        tracing::warn!(vm = %self.plan.vm, "{message}");
+        tracing::warn!(vm = %self.plan.vm, move_id = %self.id, "{message}");
         self.emit(MoveEvent::Warning {
             at_ms: self.recorder.elapsed_ms(),
             message,
         });
+    }
+
+    fn force(&mut self, phase: Phase, reason: String) {
+        self.warn(format!("{phase}: forced: {reason}"));
+        self.forced.push(ForcedPath { phase, reason });
     }
 
     fn end_phase(&mut self, outcome: PhaseOutcome, details: Map<String, Value>) {
@@ -368,38 +796,24 @@ impl Mover {
         }
     }
 
-    /// Leaves nothing running that the report does not mention.
-    async fn cleanup_after_failure(&mut self, phase: Phase) {
-        if phase == Phase::Migrate {
-            if let Some(source) = &self.source {
-                if let Err(e) = source.cancel_migration().await {
-                    self.warn(format!(
-                        "cancelling the failed migration: {}",
-                        error_chain(&e)
-                    ));
-                }
-            }
+    /// The VMM of one end, connected on first use (a recovering migrator connects afresh).
+    async fn vmm(&mut self, side: Side) -> Result<Arc<dyn Vmm>, VmmError> {
+        let (slot, endpoint) = match side {
+            Side::Source => (&mut self.source, &self.plan.source),
+            Side::Destination => (&mut self.destination, &self.plan.destination),
+        };
+        if let Some(vmm) = slot {
+            return Ok(vmm.clone());
         }
-    }
-
-    fn source(&self) -> &QemuVmm {
-        self.source.as_ref().expect("prepare connected the source")
-    }
-
-    fn destination(&self) -> &QemuVmm {
-        self.destination
-            .as_ref()
-            .expect("prepare connected the destination")
-    }
-
-    fn connection_ids(&self) -> Vec<ConnectionId> {
-        self.connections.iter().map(|c| c.id).collect()
+        let vmm = self.context.backends.connect(endpoint).await?;
+        *slot = Some(vmm.clone());
+        Ok(vmm)
     }
 
     async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let mut details = Map::new();
-        let source = connect(&self.plan.source).await?;
+        let source = self.vmm(Side::Source).await?;
         let state = source.status().await?.state;
         if matches!(state.as_str(), "inmigrate" | "postmigrate" | "shutdown") {
             return Err(StepError::VmState {
@@ -409,7 +823,7 @@ impl Mover {
             });
         }
         details.insert("source_state".into(), state.into());
-        let destination = connect(&self.plan.destination).await?;
+        let destination = self.vmm(Side::Destination).await?;
         let state = destination.status().await?.state;
         if state != "inmigrate" {
             return Err(StepError::VmState {
@@ -422,18 +836,20 @@ impl Mover {
         details.insert("via".into(), self.plan.via.clone().into());
 
         if self.plan.strategy == Strategy::Reconnect {
-            let mut agent = AgentClient::new(source.open_agent_channel().await?);
-            let version = ping(&mut agent, deadline.saturating_sub(start.elapsed())).await?;
+            let mut agent = self.context.backends.agent(source.as_ref()).await?;
+            let version = ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
             let connections = agent
                 .list_connections(deadline.saturating_sub(start.elapsed()))
                 .await?;
             details.insert("agent_version".into(), version.into());
             details.insert("connections".into(), connections.len().into());
+            self.ids = connections.iter().map(|c| c.id).collect();
+            self.journal.append(&Record::Listed {
+                connections: self.ids.clone(),
+            })?;
             self.connections = connections;
             self.agent = Some(agent);
         }
-        self.source = Some(source);
-        self.destination = Some(destination);
         Ok(Finished::ok(details))
     }
 
@@ -443,25 +859,80 @@ impl Mover {
                 "strategy naive: connections are not quiesced",
             ));
         }
-        let ids = self.connection_ids();
-        let agent = self.agent.as_mut().expect("prepare opened the agent");
-        let result = agent.quiesce(&ids, deadline).await?;
+        let ids = self.ids.clone();
+        let result = match self.agent.as_mut() {
+            Some(agent) => agent.quiesce(&ids, deadline).await,
+            None => {
+                let source = self.vmm(Side::Source).await?;
+                let mut agent = self.context.backends.agent(source.as_ref()).await?;
+                let result = agent.quiesce(&ids, deadline).await;
+                self.agent = Some(agent);
+                result
+            }
+        };
+        let result = match result {
+            Ok(result) => result,
+            Err(e) => {
+                // The agent is silent or broken: the move goes on, and every connection
+                // recovers through the library's own path (device gone, wait for the peer,
+                // replay).
+                let reason = format!(
+                    "the agent did not quiesce ({}); detaching without a coordinated quiesce",
+                    error_chain(&e)
+                );
+                self.agent = None;
+                self.force(Phase::Quiesce, reason.clone());
+                return Ok(Finished {
+                    outcome: PhaseOutcome::Forced { reason },
+                    details: Map::new(),
+                });
+            }
+        };
         let details = self.record_outcomes(&result, "quiesced");
-        for failed in result.failed() {
-            self.warn(format!(
-                "connection {:016x} did not quiesce ({}); detaching anyway",
-                failed.id,
-                failed.error.as_deref().unwrap_or("no reason given")
-            ));
-        }
+        let failed: Vec<String> = result
+            .failed()
+            .map(|f| {
+                format!(
+                    "{:016x}: {}",
+                    f.id,
+                    f.error.as_deref().unwrap_or("no reason given")
+                )
+            })
+            .collect();
         self.quiesce = result.outcomes;
-        Ok(Finished::ok(details))
+        if failed.is_empty() {
+            return Ok(Finished::ok(details));
+        }
+        let reason = format!(
+            "{} connections did not quiesce ({}); detaching anyway",
+            failed.len(),
+            failed.join("; ")
+        );
+        self.force(Phase::Quiesce, reason.clone());
+        Ok(Finished {
+            outcome: PhaseOutcome::Forced { reason },
+            details,
+        })
     }
 
     async fn detach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        self.source()
-            .remove_device(&self.plan.detach, deadline)
-            .await?;
+        let source = self.vmm(Side::Source).await?;
+        match source.remove_device(&self.plan.detach, deadline).await {
+            Ok(()) => {}
+            Err(e) if e.is_timeout() => {
+                self.force(
+                    Phase::Detach,
+                    format!(
+                        "the guest did not release {} within {} ms (an application holds its \
+                         device context): rolling back",
+                        self.plan.detach,
+                        millis(deadline)
+                    ),
+                );
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        }
         let mut details = Map::new();
         details.insert("device".into(), self.plan.detach.clone().into());
         Ok(Finished::ok(details))
@@ -469,7 +940,7 @@ impl Mover {
 
     async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
-        let source = self.source.as_ref().expect("prepare connected the source");
+        let source = self.vmm(Side::Source).await?;
         source
             .send_migration(&self.plan.via, &MigrationLimits::default())
             .await?;
@@ -491,10 +962,28 @@ impl Mover {
                 });
             }
         };
-        let done = source
+        let done = match source
             .wait_migration(deadline.saturating_sub(start.elapsed()), &mut report)
-            .await?;
+            .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                if e.is_timeout() {
+                    self.force(
+                        Phase::Migrate,
+                        format!(
+                            "the migration did not complete within {} ms: cancelling it and \
+                             rolling back",
+                            millis(deadline)
+                        ),
+                    );
+                }
+                return Err(e.into());
+            }
+        };
+        self.migrated = true;
         self.location = VmLocation::Destination;
+        self.journal.append(&Record::Migrated)?;
         let mut details = Map::new();
         for (key, value) in [
             ("qemu_total_ms", done.total_time_ms),
@@ -507,14 +996,20 @@ impl Mover {
             }
         }
         self.migration = Some(done);
-        let state = self.destination().status().await?.state;
+        let state = self.vmm(Side::Destination).await?.status().await?.state;
         details.insert("destination_state".into(), state.into());
         Ok(Finished::ok(details))
     }
 
     async fn attach(&mut self) -> Result<Finished, StepError> {
-        let id = self.destination().add_device(&self.plan.attach).await?.id;
+        let destination = self.vmm(Side::Destination).await?;
         let mut details = Map::new();
+        let id = self.plan.attach.id().to_string();
+        if self.recovered_from.is_some() && destination.has_device(&id).await? {
+            details.insert("already_attached".into(), true.into());
+        } else {
+            destination.add_device(&self.plan.attach).await?;
+        }
         details.insert("device".into(), id.into());
         details.insert("driver".into(), self.plan.attach.driver().into());
         Ok(Finished::ok(details))
@@ -529,30 +1024,16 @@ impl Mover {
         let start = Instant::now();
         // The guest now runs under the destination VMM; the source's channel is dead.
         self.agent = None;
-        let channel = self.destination().open_agent_channel().await?;
-        let mut agent = AgentClient::new(channel);
-        ping(&mut agent, deadline.saturating_sub(start.elapsed())).await?;
-        let ids = self.connection_ids();
+        let destination = self.vmm(Side::Destination).await?;
+        let mut agent = self.context.backends.agent(destination.as_ref()).await?;
+        ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
+        let ids = self.ids.clone();
         let result = agent
             .resume(&ids, deadline.saturating_sub(start.elapsed()))
             .await?;
         let details = self.record_outcomes(&result, "resumed");
         let failed: Vec<_> = result.failed().collect();
-        let lost = (!failed.is_empty()).then(|| StepError::ConnectionsLost {
-            failed: failed.len(),
-            total: ids.len(),
-            details: failed
-                .iter()
-                .map(|o| {
-                    format!(
-                        "{:016x}: {}",
-                        o.id,
-                        o.error.as_deref().unwrap_or("no reason given")
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("; "),
-        });
+        let lost = (!failed.is_empty()).then(|| connections_lost(&failed, ids.len()));
         self.resume = result.outcomes;
         match lost {
             Some(error) => Err(error),
@@ -564,8 +1045,8 @@ impl Mover {
     fn record_outcomes(&self, result: &Outcomes, verb: &str) -> Map<String, Value> {
         let answered: HashMap<ConnectionId, bool> =
             result.outcomes.iter().map(|o| (o.id, o.ok)).collect();
-        for id in self.connection_ids() {
-            if !answered.contains_key(&id) {
+        for id in &self.ids {
+            if !answered.contains_key(id) {
                 self.warn(format!("the agent did not report connection {id:016x}"));
             }
         }
@@ -583,15 +1064,27 @@ impl Mover {
     }
 }
 
-async fn connect(endpoint: &Endpoint) -> Result<QemuVmm, VmmError> {
-    let mut config = QemuConfig::new(&endpoint.qmp);
-    config.agent.clone_from(&endpoint.agent);
-    QemuVmm::connect(config).await
+fn connections_lost(failed: &[&ConnectionOutcome], total: usize) -> StepError {
+    StepError::ConnectionsLost {
+        failed: failed.len(),
+        total,
+        details: failed
+            .iter()
+            .map(|o| {
+                format!(
+                    "{:016x}: {}",
+                    o.id,
+                    o.error.as_deref().unwrap_or("no reason given")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
 }
 
 /// Pings a freshly connected agent until it answers or `budget` is spent: a guest may not be
 /// reading its port at the very moment the host connects.
-async fn ping(agent: &mut AgentClient, budget: Duration) -> Result<String, AgentError> {
+async fn ping(agent: &mut dyn GuestAgent, budget: Duration) -> Result<String, AgentError> {
     let end = Instant::now() + budget;
     loop {
         let left = end.saturating_duration_since(Instant::now());
@@ -612,4 +1105,334 @@ async fn ping(agent: &mut AgentClient, budget: Duration) -> Result<String, Agent
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fakes::{FakeBackends, FakeHost, Fault, Where};
+    use crate::journal;
+    use crate::plan::tests::plan;
+
+    struct Bed {
+        host: FakeHost,
+        dir: tempfile::TempDir,
+    }
+
+    impl Bed {
+        fn new() -> Bed {
+            Bed {
+                host: FakeHost::new(),
+                dir: tempfile::tempdir().unwrap(),
+            }
+        }
+
+        fn context(&self, boundary: Option<BoundaryHook>) -> MoveContext {
+            MoveContext {
+                backends: Arc::new(FakeBackends(self.host.clone())),
+                boundary,
+            }
+        }
+
+        async fn run(&self, plan: MovePlan) -> MoveReport {
+            let journal = Journal::create(self.dir.path(), "m", &plan).unwrap();
+            let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+            run_move("m".into(), plan, journal, self.context(None), events).await
+        }
+
+        fn journal_path(&self) -> std::path::PathBuf {
+            self.dir.path().join("m.journal")
+        }
+
+        fn calls(&self) -> Vec<String> {
+            self.host.state().calls.clone()
+        }
+    }
+
+    /// The VM is back on the source with a device, running, connections resumed there.
+    fn assert_back_on_source(bed: &Bed, report: &MoveReport, resumed: bool) {
+        assert_eq!(report.final_phase, Phase::RolledBack, "{report:#?}");
+        assert!(!report.ok);
+        assert_eq!(report.vm_location, VmLocation::Source);
+        assert!(report.error.is_some());
+        let state = bed.host.state();
+        assert_eq!(state.guest, Where::Source);
+        assert_eq!(state.source_state, "running");
+        assert!(!state.migrating);
+        assert!(
+            !state.source_devices.is_empty(),
+            "{:?}",
+            state.source_devices
+        );
+        assert_eq!(state.resumed_on.last() == Some(&Where::Source), resumed);
+        assert!(!state.quiesced);
+        let rollback = report.timeline.phases.last().unwrap();
+        assert_eq!(rollback.phase, Phase::Rollback);
+        assert_eq!(rollback.outcome, PhaseOutcome::Ok);
+        let replay = journal::read(&bed.journal_path()).unwrap();
+        assert_eq!(replay.ended(), Some(Phase::RolledBack));
+        assert!(replay.rolling_back().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_move_runs_every_phase_and_journals_each_before_it_acts() {
+        let bed = Bed::new();
+        let report = bed.run(plan()).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.final_phase, Phase::Done);
+        assert_eq!(report.vm_location, VmLocation::Destination);
+        assert!(report.forced.is_empty());
+        let phases: Vec<Phase> = report.timeline.phases.iter().map(|p| p.phase).collect();
+        assert_eq!(phases, Phase::WORKING);
+        let state = bed.host.state();
+        assert_eq!(state.destination_devices, ["nic1".to_string()].into());
+        assert_eq!(state.resumed_on, vec![Where::Destination]);
+        let replay = journal::read(&bed.journal_path()).unwrap();
+        let entered: Vec<Phase> = replay
+            .records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Enter { phase } => Some(*phase),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(entered, Phase::WORKING);
+        assert_eq!(replay.connections(), vec![11, 12]);
+        assert!(replay.migrated());
+        assert_eq!(replay.ended(), Some(Phase::Done));
+    }
+
+    #[tokio::test]
+    async fn prepare_failure_rolls_back_with_nothing_to_undo() {
+        let bed = Bed::new();
+        bed.host.state().destination_state = "running".into();
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, false);
+        assert_eq!(report.failed_phase, Some(Phase::Prepare));
+        assert!(report.error.as_deref().unwrap().contains("-incoming defer"));
+        assert!(!bed.calls().iter().any(|c| c.starts_with("agent.quiesce")));
+        assert!(bed.host.state().source_devices.contains("nic0"));
+    }
+
+    #[tokio::test]
+    async fn a_silent_agent_at_prepare_rolls_back() {
+        let bed = Bed::new();
+        bed.host.fail("agent.ping", Fault::Timeout);
+        let mut plan = plan();
+        plan.deadlines.set("prepare=300").unwrap();
+        let report = bed.run(plan).await;
+        assert_back_on_source(&bed, &report, false);
+        assert_eq!(report.failed_phase, Some(Phase::Prepare));
+    }
+
+    #[tokio::test]
+    async fn a_silent_agent_at_quiesce_takes_the_forced_path_and_the_move_goes_on() {
+        let bed = Bed::new();
+        bed.host.fail("agent.quiesce", Fault::Timeout);
+        let report = bed.run(plan()).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.forced.len(), 1);
+        assert_eq!(report.forced[0].phase, Phase::Quiesce);
+        assert!(report.forced[0].reason.contains("did not answer quiesce"));
+        assert!(matches!(
+            report.timeline.phases[1].outcome,
+            PhaseOutcome::Forced { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_does_not_ack_the_pause_is_forced_and_recorded() {
+        let bed = Bed::new();
+        bed.host.fail("agent.quiesce", Fault::PeerNoAck);
+        let report = bed.run(plan()).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.forced.len(), 1);
+        assert!(report.forced[0]
+            .reason
+            .contains("did not acknowledge the PAUSE"));
+        assert_eq!(report.quiesce.iter().filter(|o| !o.ok).count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_held_device_context_forces_a_rollback_at_detach() {
+        let bed = Bed::new();
+        bed.host.fail("src.remove_device", Fault::Timeout);
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Detach));
+        assert_eq!(report.forced[0].phase, Phase::Detach);
+        // The device never left: nothing is plugged a second time.
+        assert_eq!(bed.host.state().source_devices, ["nic0".to_string()].into());
+        assert!(!bed.calls().contains(&"src.add_device".to_string()));
+    }
+
+    #[tokio::test]
+    async fn a_stalled_migration_is_cancelled_and_rolled_back() {
+        let bed = Bed::new();
+        bed.host.fail("src.wait_migration", Fault::Timeout);
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Migrate));
+        assert_eq!(report.forced[0].phase, Phase::Migrate);
+        let calls = bed.calls();
+        assert!(calls.contains(&"src.cancel_migration".to_string()));
+        assert!(calls.contains(&"src.add_device".to_string()));
+        assert_eq!(bed.host.state().source_devices, ["nic1".to_string()].into());
+    }
+
+    #[tokio::test]
+    async fn a_failed_migration_rolls_back() {
+        let bed = Bed::new();
+        bed.host.fail("src.wait_migration", Fault::Refuse);
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, true);
+        assert!(report.forced.is_empty());
+        assert!(report.error.as_deref().unwrap().contains("failed on cue"));
+    }
+
+    #[tokio::test]
+    async fn an_attach_failure_after_the_migration_fails_back_to_the_source() {
+        let bed = Bed::new();
+        bed.host.fail("dst.add_device", Fault::Refuse);
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Attach));
+        let state = bed.host.state();
+        assert!(state.destination_gone);
+        assert!(state.calls.contains(&"src.resume".to_string()));
+        let steps = &report.timeline.phases.last().unwrap().details["steps"];
+        assert!(
+            steps.to_string().contains("destination VMM stopped"),
+            "{steps}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_resume_failure_is_past_the_point_of_no_return() {
+        let bed = Bed::new();
+        bed.host.fail("agent.resume", Fault::Timeout);
+        let report = bed.run(plan()).await;
+        assert_eq!(report.final_phase, Phase::Failed);
+        assert_eq!(report.failed_phase, Some(Phase::Resume));
+        assert_eq!(report.vm_location, VmLocation::Destination);
+        assert!(report.rollback_error.is_none());
+        assert!(!report
+            .timeline
+            .phases
+            .iter()
+            .any(|p| p.phase == Phase::Rollback));
+        let replay = journal::read(&bed.journal_path()).unwrap();
+        assert_eq!(replay.ended(), Some(Phase::Failed));
+    }
+
+    #[tokio::test]
+    async fn a_failed_rollback_ends_failed_and_says_why() {
+        let bed = Bed::new();
+        bed.host.fail("src.wait_migration", Fault::Refuse);
+        bed.host.fail("src.add_device", Fault::Refuse);
+        let report = bed.run(plan()).await;
+        assert_eq!(report.final_phase, Phase::Failed);
+        assert_eq!(report.failed_phase, Some(Phase::Migrate));
+        assert!(report
+            .rollback_error
+            .as_deref()
+            .unwrap()
+            .contains("refused on cue"));
+        assert_eq!(report.vm_location, VmLocation::Source);
+    }
+
+    /// Kills the move (a panic in the boundary hook, the way the daemon aborts) right after
+    /// `phase` was journaled, then recovers it from the journal.
+    async fn crash_and_recover(bed: &Bed, plan: MovePlan, crash_at: Phase) -> MoveReport {
+        let journal = Journal::create(bed.dir.path(), "m", &plan).unwrap();
+        let hook: BoundaryHook = Arc::new(move |phase| {
+            assert!(phase != crash_at, "killed at {phase}");
+        });
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let context = bed.context(Some(hook));
+        let killed = tokio::spawn(run_move("m".into(), plan, journal, context, events)).await;
+        assert!(killed.is_err(), "the move was not killed at {crash_at}");
+        let open = journal::unfinished(bed.dir.path()).unwrap();
+        assert_eq!(open.len(), 1);
+        let (path, replay) = open.into_iter().next().unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let report = recover(
+            replay,
+            Journal::reopen(&path).unwrap(),
+            bed.context(None),
+            events,
+        )
+        .await;
+        assert!(journal::unfinished(bed.dir.path()).unwrap().is_empty());
+        report
+    }
+
+    #[tokio::test]
+    async fn a_migrator_killed_at_every_phase_boundary_finishes_or_rolls_back() {
+        for crash_at in Phase::WORKING {
+            let bed = Bed::new();
+            let report = crash_and_recover(&bed, plan(), crash_at).await;
+            assert_eq!(report.recovered_from, Some(crash_at), "{crash_at}");
+            if crash_at <= Phase::Migrate {
+                // Killed before the migration: back to the source.
+                assert_back_on_source(&bed, &report, crash_at >= Phase::Quiesce);
+                assert!(report.error.as_deref().unwrap().contains("restarted"));
+            } else {
+                assert!(report.ok, "{crash_at}: {report:#?}");
+                let state = bed.host.state();
+                assert_eq!(state.guest, Where::Destination);
+                assert_eq!(state.destination_devices, ["nic1".to_string()].into());
+                assert_eq!(state.resumed_on.last(), Some(&Where::Destination));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_migrator_killed_during_a_rollback_finishes_it() {
+        let bed = Bed::new();
+        bed.host.fail("dst.add_device", Fault::Refuse);
+        let report = crash_and_recover(&bed, plan(), Phase::Rollback).await;
+        assert_back_on_source(&bed, &report, true);
+        assert!(bed.host.state().destination_gone);
+    }
+
+    #[tokio::test]
+    async fn a_migration_that_completed_before_the_journal_said_so_is_finished() {
+        let bed = Bed::new();
+        let plan = plan();
+        let mut journal = Journal::create(bed.dir.path(), "m", &plan).unwrap();
+        for phase in [
+            Phase::Prepare,
+            Phase::Quiesce,
+            Phase::Detach,
+            Phase::Migrate,
+        ] {
+            journal.append(&Record::Enter { phase }).unwrap();
+        }
+        {
+            let mut state = bed.host.state();
+            state.source_devices.clear();
+            state.source_state = "postmigrate".into();
+            state.destination_state = "running".into();
+            state.guest = Where::Destination;
+            state.quiesced = true;
+        }
+        let replay = journal::read(&bed.journal_path()).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let report = recover(replay, journal, bed.context(None), events).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.vm_location, VmLocation::Destination);
+        assert_eq!(bed.host.state().resumed_on, vec![Where::Destination]);
+    }
+
+    #[tokio::test]
+    async fn the_naive_strategy_rolls_back_without_the_agent() {
+        let bed = Bed::new();
+        bed.host.fail("src.wait_migration", Fault::Refuse);
+        let mut plan = plan();
+        plan.strategy = Strategy::Naive;
+        let report = bed.run(plan).await;
+        assert_back_on_source(&bed, &report, false);
+        assert!(!bed.calls().iter().any(|c| c.starts_with("agent.")));
+    }
 }

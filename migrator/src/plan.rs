@@ -57,6 +57,7 @@ impl Default for Deadlines {
             (Phase::Migrate, 60_000),
             (Phase::Attach, 5_000),
             (Phase::Resume, 20_000),
+            (Phase::Rollback, 30_000),
         ]))
     }
 }
@@ -64,7 +65,13 @@ impl Default for Deadlines {
 impl Deadlines {
     /// The deadline of `phase`.
     pub fn of(&self, phase: Phase) -> Duration {
-        Duration::from_millis(self.0.get(&phase).copied().unwrap_or(0))
+        let ms = self
+            .0
+            .get(&phase)
+            .copied()
+            .or_else(|| Deadlines::default().0.get(&phase).copied())
+            .unwrap_or(0);
+        Duration::from_millis(ms)
     }
 
     /// Applies one `phase=ms` override.
@@ -108,6 +115,10 @@ pub struct MovePlan {
     pub detach: String,
     /// The device to plug on the destination.
     pub attach: DeviceSpec,
+    /// The device to plug back on the source if the move rolls back after the detach;
+    /// `attach` when not given (the destination runs the VM's own configuration).
+    #[serde(default)]
+    pub reattach: Option<DeviceSpec>,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
     /// How connections are treated.
@@ -150,6 +161,11 @@ pub enum PlanError {
 }
 
 impl MovePlan {
+    /// The device a rollback plugs back on the source.
+    pub fn reattach_spec(&self) -> &DeviceSpec {
+        self.reattach.as_ref().unwrap_or(&self.attach)
+    }
+
     /// Checks what can be checked before touching any VMM.
     pub fn validate(&self) -> Result<(), PlanError> {
         if self.vm.is_empty() {
@@ -185,10 +201,10 @@ impl MovePlan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn plan() -> MovePlan {
+    pub(crate) fn plan() -> MovePlan {
         MovePlan {
             vm: "vm1".into(),
             source: Endpoint {
@@ -201,6 +217,7 @@ mod tests {
             },
             detach: "nic0".into(),
             attach: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
+            reattach: None,
             via: "unix:/d/mig.sock".into(),
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),

@@ -30,6 +30,12 @@ pub enum PhaseOutcome {
         /// Why.
         reason: String,
     },
+    /// The deadline passed or the guest did not cooperate, and the phase took its forced
+    /// path (the move went on without what it waited for).
+    Forced {
+        /// What was forced and why.
+        reason: String,
+    },
     /// The phase failed; the move stopped here.
     Failed {
         /// The error, with its causes.

@@ -107,35 +107,75 @@ impl Vm {
 struct Bed {
     dir: tempfile::TempDir,
     socket: PathBuf,
-    _daemon: Process,
+    daemon: Process,
     source: Vm,
     destination: Vm,
 }
 
+/// Starts `rdmamig daemon` with its socket and state in `dir`, appending to `dir/daemon.log`;
+/// `crash_at` makes it abort once it has journaled that phase.
+fn start_daemon(dir: &Path, crash_at: Option<&str>) -> Process {
+    let socket = dir.join("rdmamig.sock");
+    // A killed daemon leaves its socket file; wait for the new one.
+    let _ = std::fs::remove_file(&socket);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("daemon.log"))
+        .unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rdmamig"));
+    command
+        .args(["daemon", "--socket"])
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env_remove("RDMAMIG_CRASH_AT")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    if let Some(phase) = crash_at {
+        command.env("RDMAMIG_CRASH_AT", phase);
+    }
+    let daemon = Process(command.spawn().unwrap());
+    wait_for_file(&socket);
+    daemon
+}
+
 impl Bed {
     fn start(source_extra: &[&str]) -> Bed {
+        Bed::start_crashing(source_extra, None)
+    }
+
+    fn start_crashing(source_extra: &[&str], crash_at: Option<&str>) -> Bed {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("rdmamig.sock");
-        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
-        let daemon = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
-            .args(["daemon", "--socket"])
-            .arg(&socket)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let daemon = Process(daemon);
         let source = Vm::start(dir.path(), "src", source_extra);
         let destination = Vm::start(dir.path(), "dst", &["-incoming", "defer"]);
-        wait_for_file(&socket);
+        let daemon = start_daemon(dir.path(), crash_at);
         Bed {
             dir,
             socket,
-            _daemon: daemon,
+            daemon,
             source,
             destination,
         }
+    }
+
+    /// `rdmamig <args> --socket <bed's> --json`, parsed.
+    fn query(&self, args: &[&str]) -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+            .args(args)
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--json")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "rdmamig {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
     }
 
     fn report_path(&self) -> PathBuf {
@@ -233,7 +273,7 @@ fn naive_move_runs_every_phase_and_reports_the_timeline() {
     assert!(stdout.contains("quiesce  skipped: strategy naive"));
     assert!(stdout.contains("migrate  completed"));
     assert!(stdout.contains("  total "));
-    assert!(stdout.contains("move done in"));
+    assert!(stdout.contains(" done in "));
     assert!(stdout.contains("the VM is on the destination"));
 
     let report = bed.report();
@@ -284,7 +324,8 @@ fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
     ]);
     let out = bed.migrate("nic0", &["--strategy", "naive", "--deadline", "detach=500"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
+    // Rolled back: the VM keeps running on the source with its device.
+    assert_eq!(out.status.code(), Some(4));
     assert!(
         stderr.contains(
             "phase detach missed its deadline of 500 ms: the guest did not release device nic0"
@@ -293,14 +334,109 @@ fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
     );
     let report = bed.report();
     assert_eq!(report["ok"], false);
+    assert_eq!(report["final_phase"], "rolled_back");
     assert_eq!(report["failed_phase"], "detach");
     assert_eq!(report["vm_location"], "source");
+    assert_eq!(report["forced"][0]["phase"], "detach");
     let detach = &report["timeline"]["phases"][2];
     assert_eq!(detach["outcome"]["result"], "failed");
     let took = detach["duration_ms"].as_u64().unwrap();
     assert!((500..1500).contains(&took), "detach took {took} ms");
-    // Nothing after the failed phase ran.
-    assert_eq!(report["timeline"]["phases"].as_array().unwrap().len(), 3);
+    // Nothing after the failed phase ran but the rollback, which found the device still
+    // there (its unplug is pending in a guest that never answers) and plugged nothing.
+    let phases = report["timeline"]["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 4);
+    assert_eq!(phases[3]["phase"], "rollback");
+    assert_eq!(phases[3]["outcome"]["result"], "ok");
+    assert!(phases[3]["details"]["steps"][0]
+        .as_str()
+        .unwrap()
+        .contains("device nic0 is still on the source"));
+    let source = qmp(&bed.source.qmp(), "query-status", Value::Null);
+    assert_eq!(source["return"]["status"], "running", "{source}");
+    // The daemon keeps the report: history lists it, report returns it.
+    let history = bed.query(&["history"]);
+    assert_eq!(history[0]["outcome"], "rolled_back");
+    let id = history[0]["id"].as_str().unwrap();
+    assert_eq!(bed.query(&["report", id])["final_phase"], "rolled_back");
+    assert_eq!(bed.query(&["status"])["moves"], serde_json::json!([]));
+}
+
+/// Kills the daemon (it aborts on cue) right after it journaled each phase of a naive move,
+/// restarts it on the same state directory, and checks that the restarted daemon finished
+/// the move (killed after the migration) or rolled it back (killed before), with a report.
+#[test]
+fn a_daemon_killed_at_every_phase_boundary_finishes_or_rolls_back_after_restart() {
+    for crash_at in [
+        "prepare", "quiesce", "detach", "migrate", "attach", "resume",
+    ] {
+        let mut bed =
+            Bed::start_crashing(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"], Some(crash_at));
+        let out = bed.migrate("kbd0", &["--strategy", "naive"]);
+        assert_eq!(
+            out.status.code(),
+            Some(3),
+            "{crash_at}: the daemon did not die"
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("before the final report"),
+            "{crash_at}"
+        );
+        let status = bed.daemon.0.wait().unwrap();
+        assert!(!status.success(), "{crash_at}: {status}");
+        bed.daemon = start_daemon(bed.dir.path(), None);
+        let end = Instant::now() + Duration::from_secs(30);
+        let history = loop {
+            let history = bed.query(&["history"]);
+            if history.as_array().is_some_and(|h| !h.is_empty()) {
+                break history;
+            }
+            assert!(Instant::now() < end, "{crash_at}: no recovered move");
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let id = history[0]["id"].as_str().unwrap();
+        let report = bed.query(&["report", id]);
+        assert_eq!(report["recovered_from"], crash_at, "{report}");
+        let source = qmp(&bed.source.qmp(), "query-status", Value::Null);
+        if ["attach", "resume"].contains(&crash_at) {
+            assert_eq!(report["final_phase"], "done", "{crash_at}: {report}");
+            assert_eq!(report["vm_location"], "destination");
+            let nic = qmp(
+                &bed.destination.qmp(),
+                "qom-get",
+                serde_json::json!({"path": "/machine/peripheral/nic1", "property": "type"}),
+            );
+            assert_eq!(nic["return"], "virtio-net-pci", "{crash_at}: {nic}");
+            assert_eq!(source["return"]["status"], "postmigrate", "{source}");
+        } else {
+            assert_eq!(report["final_phase"], "rolled_back", "{crash_at}: {report}");
+            assert_eq!(report["vm_location"], "source");
+            assert_eq!(
+                source["return"]["status"], "running",
+                "{crash_at}: {source}"
+            );
+            // The keyboard is back, or (killed before the detach acted) never left; when it
+            // left, the rollback plugged the reattach device.
+            let devices = qmp(
+                &bed.source.qmp(),
+                "qom-list",
+                serde_json::json!({"path": "/machine/peripheral"}),
+            );
+            let names: Vec<&str> = devices["return"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|d| d["name"].as_str())
+                .collect();
+            let expected = if crash_at == "migrate" {
+                "nic1"
+            } else {
+                "kbd0"
+            };
+            assert!(names.contains(&expected), "{crash_at}: {names:?}");
+        }
+        assert_eq!(bed.query(&["status"])["moves"], serde_json::json!([]));
+    }
 }
 
 #[test]
@@ -308,7 +444,7 @@ fn a_silent_agent_fails_the_reconnect_move_at_prepare() {
     let bed = Bed::start(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"]);
     let out = bed.migrate("kbd0", &["--deadline", "prepare=1500", "--json"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(4));
     assert!(
         stderr.contains(
             "phase prepare missed its deadline of 1500 ms: the guest agent did not answer ping"

@@ -165,6 +165,8 @@ impl Daemon {
         let child = Command::new(crate::bin_dir().join("rdmamig"))
             .args(["daemon", "--socket"])
             .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.join("rdmamig-state"))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("cloning a file handle"))
             .stderr(log)

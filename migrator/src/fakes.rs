@@ -1,0 +1,418 @@
+//! A fake host for the mover's unit tests: two VMMs and a guest agent over one shared,
+//! inspectable state, each operation able to fail on cue.
+//!
+//! The fakes model what the mover relies on, as QEMU and the agent behave on the test bed: a
+//! device the guest holds stays after a failed unplug; a completed migration leaves the
+//! source `postmigrate` and the destination running the guest; a cancelled one leaves the
+//! source running; the guest's agent answers wherever the guest runs.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, ConnectionState, Role};
+use rdmamig_proto::ConnectionId;
+use rdmamig_vmm::{
+    AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress, MigrationStatus,
+    ProgressFn, VmStatus, Vmm, VmmError,
+};
+
+use crate::agent::{AgentError, GuestAgent, Outcomes};
+use crate::mover::Backends;
+use crate::plan::Endpoint;
+
+/// How an operation fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// It passes its deadline.
+    Timeout,
+    /// It is refused (or fails outright).
+    Refuse,
+    /// (quiesce only) one connection reports a failure: its peer did not acknowledge.
+    PeerNoAck,
+}
+
+/// Which side the guest runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Where {
+    Source,
+    Destination,
+}
+
+/// The whole fake host.
+#[derive(Debug)]
+pub struct HostState {
+    pub source_state: String,
+    pub destination_state: String,
+    pub destination_gone: bool,
+    pub source_devices: BTreeSet<String>,
+    pub destination_devices: BTreeSet<String>,
+    pub migrating: bool,
+    pub guest: Where,
+    pub quiesced: bool,
+    pub resumed_on: Vec<Where>,
+    pub calls: Vec<String>,
+    pub faults: HashMap<&'static str, Fault>,
+}
+
+/// A handle on the fake host; clones share it.
+#[derive(Debug, Clone)]
+pub struct FakeHost(pub Arc<Mutex<HostState>>);
+
+impl FakeHost {
+    /// A source running the guest with `nic0`, a destination waiting with -incoming.
+    pub fn new() -> FakeHost {
+        FakeHost(Arc::new(Mutex::new(HostState {
+            source_state: "running".into(),
+            destination_state: "inmigrate".into(),
+            destination_gone: false,
+            source_devices: BTreeSet::from(["nic0".to_string()]),
+            destination_devices: BTreeSet::new(),
+            migrating: false,
+            guest: Where::Source,
+            quiesced: false,
+            resumed_on: Vec::new(),
+            calls: Vec::new(),
+            faults: HashMap::new(),
+        })))
+    }
+
+    pub fn state(&self) -> std::sync::MutexGuard<'_, HostState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn fail(&self, operation: &'static str, fault: Fault) {
+        self.state().faults.insert(operation, fault);
+    }
+
+    /// Records the call and returns its fault, if one is set.
+    fn call(&self, name: &'static str) -> Option<Fault> {
+        let mut state = self.state();
+        state.calls.push(name.into());
+        state.faults.get(name).copied()
+    }
+}
+
+struct FakeVmm {
+    host: FakeHost,
+    side: Where,
+}
+
+fn refused(operation: &'static str) -> VmmError {
+    VmmError::Refused {
+        operation,
+        class: "GenericError".into(),
+        message: "refused on cue".into(),
+    }
+}
+
+impl FakeVmm {
+    fn op(&self, source: &'static str, destination: &'static str) -> &'static str {
+        match self.side {
+            Where::Source => source,
+            Where::Destination => destination,
+        }
+    }
+
+    fn check_alive(&self, operation: &'static str) -> Result<(), VmmError> {
+        if self.side == Where::Destination && self.host.state().destination_gone {
+            return Err(VmmError::Gone { operation });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Vmm for FakeVmm {
+    async fn status(&self) -> Result<VmStatus, VmmError> {
+        self.check_alive("query status")?;
+        let state = self.host.state();
+        let name = match self.side {
+            Where::Source => state.source_state.clone(),
+            Where::Destination => state.destination_state.clone(),
+        };
+        Ok(VmStatus {
+            running: name == "running",
+            state: name,
+        })
+    }
+
+    async fn remove_device(&self, id: &str, deadline: Duration) -> Result<(), VmmError> {
+        let fault = self
+            .host
+            .call(self.op("src.remove_device", "dst.remove_device"));
+        match fault {
+            Some(Fault::Timeout) => Err(VmmError::DeviceNotReleased {
+                device: id.into(),
+                deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+            }),
+            Some(_) => Err(refused("remove device")),
+            None => {
+                self.host.state().source_devices.remove(id);
+                Ok(())
+            }
+        }
+    }
+
+    async fn pause(&self) -> Result<(), VmmError> {
+        self.host.call(self.op("src.pause", "dst.pause"));
+        Err(refused("pause"))
+    }
+
+    async fn add_device(&self, device: &DeviceSpec) -> Result<AddedDevice, VmmError> {
+        self.check_alive("add device")?;
+        if self
+            .host
+            .call(self.op("src.add_device", "dst.add_device"))
+            .is_some()
+        {
+            return Err(refused("add device"));
+        }
+        let mut state = self.host.state();
+        let devices = match self.side {
+            Where::Source => &mut state.source_devices,
+            Where::Destination => &mut state.destination_devices,
+        };
+        if !devices.insert(device.id().into()) {
+            return Err(refused("add device"));
+        }
+        Ok(AddedDevice {
+            id: device.id().into(),
+            bdf: None,
+        })
+    }
+
+    async fn prepare_incoming(&self, _uri: &str) -> Result<(), VmmError> {
+        self.check_alive("prepare incoming migration")?;
+        self.host.call("dst.prepare_incoming");
+        Ok(())
+    }
+
+    async fn send_migration(&self, _uri: &str, _limits: &MigrationLimits) -> Result<(), VmmError> {
+        self.host.call("src.send_migration");
+        self.host.state().migrating = true;
+        Ok(())
+    }
+
+    async fn wait_migration(
+        &self,
+        deadline: Duration,
+        progress: ProgressFn<'_>,
+    ) -> Result<MigrationProgress, VmmError> {
+        let fault = self.host.call("src.wait_migration");
+        let sample = |status| MigrationProgress {
+            status,
+            total_time_ms: Some(700),
+            setup_time_ms: Some(5),
+            downtime_ms: Some(20),
+            ram_transferred: Some(1 << 20),
+            ram_remaining: Some(0),
+            ram_total: None,
+            mbps: None,
+            error: None,
+        };
+        match fault {
+            Some(Fault::Timeout) => Err(VmmError::TimedOut {
+                operation: "migration",
+                deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+            }),
+            Some(_) => {
+                self.host.state().migrating = false;
+                Err(VmmError::MigrationFailed {
+                    status: MigrationStatus::Failed,
+                    reason: "failed on cue".into(),
+                })
+            }
+            None => {
+                {
+                    let mut state = self.host.state();
+                    state.migrating = false;
+                    state.source_state = "postmigrate".into();
+                    state.destination_state = "running".into();
+                    state.guest = Where::Destination;
+                }
+                let done = sample(MigrationStatus::Completed);
+                progress(&done);
+                Ok(done)
+            }
+        }
+    }
+
+    async fn cancel_migration(&self) -> Result<(), VmmError> {
+        self.host.call("src.cancel_migration");
+        self.host.state().migrating = false;
+        Ok(())
+    }
+
+    async fn quit(&self) -> Result<(), VmmError> {
+        self.check_alive("quit")?;
+        self.host.call(self.op("src.quit", "dst.quit"));
+        let mut state = self.host.state();
+        if self.side == Where::Destination {
+            state.destination_gone = true;
+            if state.guest == Where::Destination {
+                state.guest = Where::Source;
+            }
+        }
+        Ok(())
+    }
+
+    async fn open_agent_channel(&self) -> Result<Box<dyn AgentStream>, VmmError> {
+        Err(VmmError::NoAgentChannel)
+    }
+
+    async fn has_device(&self, id: &str) -> Result<bool, VmmError> {
+        self.check_alive("has device")?;
+        let state = self.host.state();
+        Ok(match self.side {
+            Where::Source => state.source_devices.contains(id),
+            Where::Destination => state.destination_devices.contains(id),
+        })
+    }
+
+    async fn resume(&self) -> Result<(), VmmError> {
+        self.host.call(self.op("src.resume", "dst.resume"));
+        let mut state = self.host.state();
+        if self.side == Where::Source && state.source_state == "postmigrate" {
+            state.source_state = "running".into();
+            state.guest = Where::Source;
+        }
+        Ok(())
+    }
+}
+
+/// The guest's agent, answering wherever the guest runs.
+struct FakeAgent {
+    host: FakeHost,
+}
+
+const CONNECTIONS: [ConnectionId; 2] = [11, 12];
+
+fn timed_out(request: &'static str) -> AgentError {
+    AgentError::TimedOut {
+        request,
+        deadline_ms: 1,
+    }
+}
+
+#[async_trait]
+impl GuestAgent for FakeAgent {
+    async fn ping(&mut self, deadline: Duration) -> Result<String, AgentError> {
+        match self.host.call("agent.ping") {
+            Some(_) => {
+                tokio::time::sleep(deadline).await;
+                Err(timed_out("ping"))
+            }
+            None => Ok("fake".into()),
+        }
+    }
+
+    async fn list_connections(
+        &mut self,
+        _deadline: Duration,
+    ) -> Result<Vec<ConnectionInfo>, AgentError> {
+        self.host.call("agent.list");
+        Ok(CONNECTIONS
+            .iter()
+            .map(|id| ConnectionInfo {
+                id: *id,
+                pid: 100,
+                role: Role::Active,
+                local: "10.77.0.2:1".into(),
+                peer: "10.77.0.3:7471".into(),
+                state: ConnectionState::Established,
+                last_sent: 0,
+                last_received: 0,
+                unacked: 0,
+            })
+            .collect())
+    }
+
+    async fn quiesce(
+        &mut self,
+        known: &[ConnectionId],
+        _deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        let fault = self.host.call("agent.quiesce");
+        if fault == Some(Fault::Timeout) {
+            return Err(timed_out("quiesce"));
+        }
+        self.host.state().quiesced = true;
+        let outcomes = known
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let failed = i == 0 && fault == Some(Fault::PeerNoAck);
+                ConnectionOutcome {
+                    id: *id,
+                    ok: !failed,
+                    elapsed_ms: 3,
+                    error: failed.then(|| "the peer did not acknowledge the PAUSE".into()),
+                }
+            })
+            .collect();
+        Ok(Outcomes {
+            outcomes,
+            elapsed_ms: 5,
+        })
+    }
+
+    async fn resume(
+        &mut self,
+        known: &[ConnectionId],
+        _deadline: Duration,
+    ) -> Result<Outcomes, AgentError> {
+        let fault = self.host.call("agent.resume");
+        if fault.is_some() {
+            return Err(timed_out("resume"));
+        }
+        let mut state = self.host.state();
+        state.quiesced = false;
+        let guest = state.guest;
+        state.resumed_on.push(guest);
+        Ok(Outcomes {
+            outcomes: known
+                .iter()
+                .map(|id| ConnectionOutcome {
+                    id: *id,
+                    ok: true,
+                    elapsed_ms: 4,
+                    error: None,
+                })
+                .collect(),
+            elapsed_ms: 6,
+        })
+    }
+}
+
+/// [`Backends`] over the fake host; endpoints whose QMP path starts with `/s` are the source.
+#[derive(Debug, Clone)]
+pub struct FakeBackends(pub FakeHost);
+
+#[async_trait]
+impl Backends for FakeBackends {
+    async fn connect(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError> {
+        let side = if endpoint.qmp.starts_with("/s") {
+            Where::Source
+        } else {
+            Where::Destination
+        };
+        if side == Where::Destination && self.0.state().destination_gone {
+            return Err(VmmError::Connect {
+                path: endpoint.qmp.display().to_string(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            });
+        }
+        Ok(Arc::new(FakeVmm {
+            host: self.0.clone(),
+            side,
+        }))
+    }
+
+    async fn agent(&self, _vmm: &dyn Vmm) -> Result<Box<dyn GuestAgent>, VmmError> {
+        Ok(Box::new(FakeAgent {
+            host: self.0.clone(),
+        }))
+    }
+}
