@@ -5,8 +5,9 @@
 //! ([`rdmamig_proto::app::DEFAULT_AGENT_SOCKET`], or `$RDMAMIG_AGENT_SOCKET`, or the path set
 //! with [`set_agent_socket`]); while there is no agent it retries quietly every second, so the
 //! library works without one. Once connected it says Hello and answers Describe / Quiesce /
-//! Resume for all live connections; quiesce and resume run on all connections in parallel
-//! and report one outcome per connection.
+//! Resume for all live connections; quiesce and resume run on the connections in parallel,
+//! at most [`MAX_PARALLEL`] at a time (a resume is a reconnect: bounded so that a process
+//! with many connections does not storm its peers), and report one outcome per connection.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -148,48 +149,66 @@ pub fn handle(request: &AgentToApp) -> AppToAgent {
     }
 }
 
-/// Runs `op` on every entry in parallel; listeners' failures are reported with id 0.
+/// How many connections of one process are quiesced or resumed at the same time.
+pub const MAX_PARALLEL: usize = 8;
+
+/// Runs `f` on every item with at most `limit` running at once (scoped worker threads that
+/// take the next item as they finish one); the results come back in the items' order. A
+/// panicking `f` yields `None` for its item.
+pub(crate) fn bounded_parallel<T: Sync, R: Send>(
+    items: &[T],
+    limit: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<Option<R>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..limit.max(1).min(items.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(item)));
+                if let Ok(r) = r {
+                    results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
+                }
+            });
+        }
+    });
+    results.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `op` on every entry, [`MAX_PARALLEL`] at a time; listeners' failures are reported
+/// with id 0.
 fn run_all(
     entries: &[std::sync::Arc<dyn Migratable>],
     op: impl Fn(&dyn Migratable) -> Result<(), String> + Sync,
 ) -> Vec<ConnectionOutcome> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = entries
-            .iter()
-            .map(|e| {
-                let op = &op;
-                s.spawn(move || {
-                    let start = Instant::now();
-                    let result = op(e.as_ref());
-                    (e.conn_id(), start.elapsed(), result)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .filter_map(|h| {
-                let (id, elapsed, result) =
-                    h.join()
-                        .unwrap_or((None, Duration::ZERO, Err("panicked".into())));
-                // Listeners appear only when they failed: the agent lists connections.
-                if id.is_none() && result.is_ok() {
-                    return None;
-                }
-                Some(ConnectionOutcome {
-                    id: id.unwrap_or(0),
-                    ok: result.is_ok(),
-                    elapsed_ms: elapsed.as_millis() as u64,
-                    error: result.err().map(|e| {
-                        if id.is_none() {
-                            format!("listener: {e}")
-                        } else {
-                            e
-                        }
-                    }),
-                })
-            })
-            .collect()
+    bounded_parallel(entries, MAX_PARALLEL, |e| {
+        let start = Instant::now();
+        let result = op(e.as_ref());
+        (e.conn_id(), start.elapsed(), result)
     })
+    .into_iter()
+    .filter_map(|r| {
+        let (id, elapsed, result) = r.unwrap_or((None, Duration::ZERO, Err("panicked".into())));
+        // Listeners appear only when they failed: the agent lists connections.
+        if id.is_none() && result.is_ok() {
+            return None;
+        }
+        Some(ConnectionOutcome {
+            id: id.unwrap_or(0),
+            ok: result.is_ok(),
+            elapsed_ms: elapsed.as_millis() as u64,
+            error: result.err().map(|e| {
+                if id.is_none() {
+                    format!("listener: {e}")
+                } else {
+                    e
+                }
+            }),
+        })
+    })
+    .collect()
 }
 
 fn agent_link() {
@@ -262,5 +281,41 @@ fn serve(mut stream: UnixStream, path: &std::path::Path) -> Result<(), RegistryE
                 Err(e) => tracing::warn!(error = %e, "ignoring a malformed agent request"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn bounded_parallel_never_exceeds_the_limit_and_keeps_the_order() {
+        let running = AtomicUsize::new(0);
+        let peak = AtomicUsize::new(0);
+        let items: Vec<u32> = (0..40).collect();
+        let out = bounded_parallel(&items, 6, |i| {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(5));
+            running.fetch_sub(1, Ordering::SeqCst);
+            i * 2
+        });
+        let peak = peak.load(Ordering::SeqCst);
+        assert!(peak <= 6, "peak concurrency {peak}");
+        assert!(peak >= 2, "ran sequentially (peak {peak})");
+        let expected: Vec<Option<u32>> = items.iter().map(|i| Some(i * 2)).collect();
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn a_panicking_item_yields_none_and_the_others_complete() {
+        let items = [1u32, 2, 3, 4];
+        let out = bounded_parallel(&items, 2, |i| {
+            assert_ne!(*i, 3, "item 3 fails");
+            *i
+        });
+        assert_eq!(out, vec![Some(1), Some(2), None, Some(4)]);
+        assert!(bounded_parallel(&[] as &[u32], 4, |i| *i).is_empty());
     }
 }

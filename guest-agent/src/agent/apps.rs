@@ -23,6 +23,9 @@ use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
+/// How many processes are asked to quiesce or resume at the same time.
+pub const MAX_PARALLEL_APPS: usize = 8;
+
 /// Why the application socket could not be served.
 #[derive(Debug, Error)]
 pub enum AppsError {
@@ -276,18 +279,16 @@ impl Apps {
         })
     }
 
+    /// Runs `per_app` for every registered process, at most [`MAX_PARALLEL_APPS`] at once
+    /// (each process in turn resumes its own connections [`crate::registry::MAX_PARALLEL`]
+    /// at a time, so reconnects reach the peers in bounded waves).
     fn fan_out<T: Send>(&self, per_app: impl Fn(&Apps, &App) -> Vec<T> + Sync) -> Vec<T> {
         let apps = self.snapshot();
-        thread::scope(|scope| {
-            let handles: Vec<_> = apps
-                .iter()
-                .map(|app| scope.spawn(|| per_app(self, app)))
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
-        })
+        crate::registry::bounded_parallel(&apps, MAX_PARALLEL_APPS, |app| per_app(self, app))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect()
     }
 }
 
