@@ -38,5 +38,13 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 
+# vhost-device-vsock (crates.io) serves the test bed's vsock devices: the host kernel has no
+# vhost-vsock, and its UNIX socket speaks Cloud Hypervisor's hybrid vsock protocol (~3 min).
+VHOST_DEVICE_VSOCK_VERSION=0.3.0
+if ! command -v vhost-device-vsock >/dev/null; then
+  echo "==> installing vhost-device-vsock $VHOST_DEVICE_VSOCK_VERSION (crates.io)"
+  cargo install vhost-device-vsock --version "$VHOST_DEVICE_VSOCK_VERSION" --locked
+fi
+
 echo "==> building (release)"
 cargo build --release --workspace --bins

@@ -36,6 +36,10 @@ pub const CONSOLE_PATH: &str = "/usr/sbin/rdmamig-console";
 pub const AGENT_PATH: &str = "/usr/bin/rdmamig-agent";
 /// The virtio-serial port name the agent serves the host on.
 pub const AGENT_PORT_NAME: &str = "org.rdmamig.agent.0";
+/// The AF_VSOCK port the agent also serves the host on (Cloud Hypervisor's hybrid vsock,
+/// vhost-device-vsock under QEMU); the host's default too (rdmamig-vmm's
+/// `DEFAULT_AGENT_PORT`).
+pub const AGENT_VSOCK_PORT: u32 = 7077;
 /// Seconds /init waits for the initial NIC's Soft-RoCE device to become ACTIVE.
 const READY_TIMEOUT_S: u32 = 30;
 
@@ -80,7 +84,7 @@ if [ -n "$mac" ]; then
   {NETPLUG_PATH} monitor </dev/null >>/run/netplug.log 2>&1 &
 fi
 if [ -x {AGENT_PATH} ]; then
-  {AGENT_PATH} --port-name {AGENT_PORT_NAME} </dev/null >/run/agent.log 2>&1 &
+  {AGENT_PATH} --port-name {AGENT_PORT_NAME} --vsock-port {AGENT_VSOCK_PORT} </dev/null >/run/agent.log 2>&1 &
 fi
 if [ -z "$mac" ]; then
   echo {READY_MARKER}

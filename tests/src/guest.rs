@@ -145,6 +145,11 @@ pub struct GuestSpec {
     pub with_nic: bool,
     /// Guest memory in MiB.
     pub memory_mib: u32,
+    /// Gives the guest a vsock device with this CID, served by a vhost-device-vsock process
+    /// of the guest's own: the host reaches guest ports through the hybrid vsock socket
+    /// [`Guest::vsock_socket`] (`CONNECT <port>`), as with Cloud Hypervisor's `--vsock`.
+    /// Guest memory is then a shared memfd, which vhost-user needs.
+    pub vsock_cid: Option<u32>,
 }
 
 impl GuestSpec {
@@ -164,6 +169,8 @@ pub(crate) struct VmProcess {
     /// `None` once stopped and reaped. Keeping the child unreaped until then guarantees the
     /// process group id cannot be reused by another process while it may still be signalled.
     child: Mutex<Option<Child>>,
+    /// A process serving one of QEMU's devices (vhost-device-vsock), stopped after QEMU.
+    helper: Mutex<Option<Child>>,
 }
 
 impl VmProcess {
@@ -192,6 +199,10 @@ impl VmProcess {
         // Also reaches helpers QEMU may have left in its group.
         let _ = killpg(group, Signal::SIGKILL);
         let _ = child.wait();
+        if let Some(mut helper) = self.helper.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = helper.kill();
+            let _ = helper.wait();
+        }
     }
 
     /// The last lines of the console log and QEMU's own log, for failure reports.
@@ -235,6 +246,11 @@ impl Guest {
         fs::create_dir_all(&launch.dir).map_err(prepare)?;
         let log = fs::File::create(launch.dir.join("qemu.log")).map_err(prepare)?;
         let log_err = log.try_clone().map_err(prepare)?;
+        let helper = match spec.vsock_cid {
+            Some(cid) => Some(start_vhost_vsock(&spec.name, cid, &launch.dir)?),
+            None => None,
+        };
+        let helper = HelperGuard(helper);
         let child = Command::new("ip")
             .args(["netns", "exec", launch.netns, "qemu-system-x86_64"])
             .args(qemu_args(&spec, launch.image, &launch.dir, launch.incoming))
@@ -252,6 +268,7 @@ impl Guest {
             dir: launch.dir,
             pid: child.id(),
             child: Mutex::new(Some(child)),
+            helper: Mutex::new(helper.take()),
         });
         let guest = Guest {
             spec,
@@ -357,6 +374,12 @@ impl Guest {
         self.dir().join("console.log")
     }
 
+    /// The hybrid vsock socket (vhost-device-vsock's `--uds-path`) of a guest started with
+    /// [`GuestSpec::vsock_cid`].
+    pub fn vsock_socket(&self) -> PathBuf {
+        self.dir().join("vsock.sock")
+    }
+
     /// A path for a migration stream socket (`unix:<path>`) with this guest as the destination.
     pub fn migration_socket_path(&self) -> PathBuf {
         self.dir().join("mig.sock")
@@ -445,13 +468,17 @@ impl Drop for Guest {
 /// QEMU's arguments for `spec` (after the program name).
 fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec<String> {
     let path = |name: &str| dir.join(name).display().to_string();
+    let machine = match spec.vsock_cid {
+        Some(_) => "q35,memory-backend=mem",
+        None => "q35",
+    };
     let mut args: Vec<String> = [
         "-name",
         &spec.name,
         "-accel",
         "tcg",
         "-machine",
-        "q35",
+        machine,
         "-m",
         &spec.memory_mib.to_string(),
         "-smp",
@@ -511,10 +538,97 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         "-device".into(),
         format!("virtserialport,chardev=ch0,name={AGENT_PORT_NAME},bus=vser0.0"),
     ]);
+    if spec.vsock_cid.is_some() {
+        args.extend([
+            "-object".into(),
+            format!(
+                "memory-backend-memfd,id=mem,size={}M,share=on",
+                spec.memory_mib
+            ),
+            "-chardev".into(),
+            format!("socket,id=vs0,path={}", path(VHOST_VSOCK_SOCKET)),
+            "-device".into(),
+            "vhost-user-vsock-pci,chardev=vs0".into(),
+        ]);
+    }
     if incoming {
         args.extend(["-incoming".into(), "defer".into()]);
     }
     args
+}
+
+/// vhost-device-vsock's vhost-user socket in the guest's directory (QEMU connects to it).
+const VHOST_VSOCK_SOCKET: &str = "vhost-vsock.sock";
+
+/// Kills a helper that was started for a QEMU that then did not start.
+struct HelperGuard(Option<Child>);
+
+impl HelperGuard {
+    fn take(mut self) -> Option<Child> {
+        self.0.take()
+    }
+}
+
+impl Drop for HelperGuard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts vhost-device-vsock (crates.io; scripts/setup.sh installs it) for guest CID `cid`
+/// and waits until its vhost-user socket exists, so that QEMU finds it.
+fn start_vhost_vsock(guest: &str, cid: u32, dir: &Path) -> Result<Child, GuestError> {
+    let prepare = |source| GuestError::Prepare {
+        guest: guest.to_owned(),
+        dir: dir.to_owned(),
+        source,
+    };
+    let log = fs::File::create(dir.join("vhost-vsock.log")).map_err(prepare)?;
+    let log_err = log.try_clone().map_err(prepare)?;
+    let socket = dir.join(VHOST_VSOCK_SOCKET);
+    let mut child = Command::new("vhost-device-vsock")
+        .arg("--guest-cid")
+        .arg(cid.to_string())
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--uds-path")
+        .arg(dir.join("vsock.sock"))
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .process_group(0)
+        .spawn()
+        .map_err(|source| GuestError::Spawn {
+            guest: format!("{guest} (vhost-device-vsock: run scripts/setup.sh)"),
+            source,
+        })?;
+    let end = Instant::now() + SOCKET_TIMEOUT;
+    while !socket.exists() {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(GuestError::Exited {
+                guest: format!("{guest} (vhost-device-vsock)"),
+                status,
+                log_tail: tail(&dir.join("vhost-vsock.log"), 20),
+            });
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(GuestError::Prepare {
+                guest: guest.to_owned(),
+                dir: dir.to_owned(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("vhost-device-vsock created no {} in time", socket.display()),
+                ),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(child)
 }
 
 /// The last `lines` lines of a text file (lossy), or a note that it cannot be read.

@@ -243,6 +243,7 @@ impl Testbed {
             tap: self.add_tap()?,
             with_nic: true,
             memory_mib: GUEST_MEMORY_MIB,
+            vsock_cid: None,
         })
     }
 

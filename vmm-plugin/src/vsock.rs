@@ -165,6 +165,102 @@ fn parse_reply(line: &[u8]) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::UnixListener;
+
+    /// A hybrid vsock socket whose VMM reads the CONNECT line and then does `then`.
+    async fn fake(
+        then: &'static [u8],
+        close: bool,
+    ) -> (tempfile::TempDir, tokio::task::JoinHandle<Vec<u8>>) {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(dir.path().join("v.sock")).unwrap();
+        let task = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut line = Vec::new();
+            let mut byte = [0u8; 1];
+            while stream.read(&mut byte).await.unwrap() == 1 && byte[0] != b'\n' {
+                line.push(byte[0]);
+            }
+            stream.write_all(then).await.unwrap();
+            if !close {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            line
+        });
+        (dir, task)
+    }
+
+    #[tokio::test]
+    async fn ok_then_the_stream_is_untouched() {
+        let (dir, vmm) = fake(b"OK 1073741824\nhello", false).await;
+        let (mut stream, host_port) =
+            connect(&dir.path().join("v.sock"), 7077, Duration::from_secs(2))
+                .await
+                .unwrap();
+        assert_eq!(host_port, 1_073_741_824);
+        let mut hello = [0u8; 5];
+        stream.read_exact(&mut hello).await.unwrap();
+        assert_eq!(&hello, b"hello");
+        vmm.abort();
+    }
+
+    #[tokio::test]
+    async fn the_vmm_sees_the_connect_line() {
+        let (dir, vmm) = fake(b"OK 5\n", true).await;
+        connect(&dir.path().join("v.sock"), 52, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(vmm.await.unwrap(), b"CONNECT 52");
+    }
+
+    #[tokio::test]
+    async fn a_silent_vmm_hits_the_deadline() {
+        let (dir, vmm) = fake(b"OK 1", false).await;
+        let start = std::time::Instant::now();
+        let err = connect(&dir.path().join("v.sock"), 7077, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(2));
+        assert!(
+            matches!(&err, VsockError::TimedOut { deadline_ms: 300, got, .. } if got == "OK 1"),
+            "{err}"
+        );
+        vmm.abort();
+    }
+
+    #[tokio::test]
+    async fn garbage_is_a_bad_reply() {
+        let (dir, _vmm) = fake(b"HTTP/1.1 400 Bad Request\r\n", true).await;
+        let err = connect(&dir.path().join("v.sock"), 7077, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, VsockError::BadReply { reply, .. } if reply.starts_with("HTTP/1.1 400")),
+            "{err}"
+        );
+        // An endless line is cut, not buffered.
+        let (dir, _vmm) = fake(&[b'x'; 4096], false).await;
+        let err = connect(&dir.path().join("v.sock"), 7077, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, VsockError::BadReply { reply, .. } if reply.len() == MAX_REPLY),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_close_without_reply_is_refused_and_no_socket_is_connect() {
+        let (dir, _vmm) = fake(b"", true).await;
+        let err = connect(&dir.path().join("v.sock"), 9, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, VsockError::Refused { port: 9, .. }), "{err}");
+        let err = connect(&dir.path().join("none.sock"), 9, Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, VsockError::Connect { .. }), "{err}");
+    }
 
     #[test]
     fn replies() {

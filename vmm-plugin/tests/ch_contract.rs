@@ -81,7 +81,7 @@ fn operation(path: &str, method: &str) -> Option<&'static Value> {
     spec()["paths"].get(path)?.get(method.to_ascii_lowercase())
 }
 
-fn resolve<'a>(schema: &'a Value) -> &'a Value {
+fn resolve(schema: &Value) -> &Value {
     match schema.get("$ref").and_then(Value::as_str) {
         Some(reference) => {
             let name = reference

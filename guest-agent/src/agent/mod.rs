@@ -1,6 +1,7 @@
 //! The guest agent: the host's representative inside the VM.
 //!
-//! It serves the host migrator over a virtio-serial port ([`host`]) and drives the
+//! It serves the host migrator over a virtio-serial port ([`host`]) or AF_VSOCK
+//! ([`vsock`], for Cloud Hypervisor's hybrid vsock), and drives the
 //! processes that use the connection library ([`apps`]): on a quiesce every connection of
 //! every process releases the RDMA device; on a resume the agent waits for the new device
 //! ([`device`]) and every connection reconnects. Each answer lists per-connection results.
@@ -10,6 +11,7 @@
 pub mod apps;
 pub mod device;
 pub mod host;
+pub mod vsock;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -5,19 +5,26 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use rdmamig_guest::agent::{apps::Apps, device, host, Agent};
+use rdmamig_guest::agent::{apps::Apps, device, host, vsock, Agent};
 use rdmamig_proto::app::DEFAULT_AGENT_SOCKET;
 use tracing::{error, info};
 
 /// The rdmamig guest agent.
 ///
-/// Runs inside the VM. The host migrator talks to it over a virtio-serial port to list,
-/// quiesce and resume the VM's migratable RDMA connections; applications that use the
-/// rdmamig connection library register with it through a UNIX socket.
+/// Runs inside the VM. The host migrator talks to it over a virtio-serial port (QEMU) or
+/// AF_VSOCK (Cloud Hypervisor's hybrid vsock) to list, quiesce and resume the VM's
+/// migratable RDMA connections; applications that use the rdmamig connection library
+/// register with it through a UNIX socket. Both host channels speak the same protocol; with
+/// --vsock-port the agent serves both, and a VM without the virtio-serial port is served
+/// over vsock alone.
 ///
 /// Example (what the test-bed image runs at boot):
 ///
-///     rdmamig-agent --port-name org.rdmamig.agent.0
+///     rdmamig-agent --port-name org.rdmamig.agent.0 --vsock-port 7077
+///
+/// Cloud Hypervisor side of the vsock (the host then writes `CONNECT 7077`):
+///
+///     --vsock cid=3,socket=/run/vm1/vsock.sock
 ///
 /// QEMU side of the port:
 ///
@@ -36,6 +43,9 @@ struct Args {
     /// How long to wait at start for the virtio-serial port to appear.
     #[arg(long, default_value = "30", value_name = "SECONDS")]
     port_wait: u64,
+    /// Also serve the host on this AF_VSOCK port (any CID).
+    #[arg(long, value_name = "PORT")]
+    vsock_port: Option<u32>,
 }
 
 fn main() -> ExitCode {
@@ -52,17 +62,38 @@ fn main() -> ExitCode {
         error!("{}", error_chain(&e));
         return ExitCode::FAILURE;
     }
-    let mut port = match host::open_port(&args.port_name, Duration::from_secs(args.port_wait)) {
-        Ok(port) => port,
+    // A vsock that cannot listen leaves the virtio-serial port, which is reported below
+    // if it is missing too.
+    let listener = match args.vsock_port.map(vsock::listen_on).transpose() {
+        Ok(listener) => listener,
         Err(e) => {
             error!("{}", error_chain(&e));
-            return ExitCode::FAILURE;
+            None
         }
     };
-    info!(port = %args.port_name, apps = %args.app_socket.display(), "agent serving");
     let agent = Agent::new(apps, PathBuf::from(device::SYSFS_INFINIBAND));
-    host::serve(&mut port, &agent, host::OnEof::WaitForHost);
-    ExitCode::SUCCESS
+    std::thread::scope(|scope| {
+        if let Some(listener) = &listener {
+            info!(vsock_port = listener.port(), "agent serving over vsock");
+            scope.spawn(|| listener.serve(&agent));
+        }
+        match host::open_port(&args.port_name, Duration::from_secs(args.port_wait)) {
+            Ok(mut port) => {
+                info!(port = %args.port_name, apps = %args.app_socket.display(), "agent serving");
+                host::serve(&mut port, &agent, host::OnEof::WaitForHost);
+                ExitCode::SUCCESS
+            }
+            // A VM with only a vsock (Cloud Hypervisor) is served there.
+            Err(e) if listener.is_some() => {
+                info!("{}; serving over vsock only", error_chain(&e));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("{}", error_chain(&e));
+                ExitCode::FAILURE
+            }
+        }
+    })
 }
 
 /// "outer: inner: cause", the error and its sources on one line.
