@@ -15,6 +15,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::machine::Phase;
 use crate::mover::{MoveEvent, MoveReport};
 use crate::plan::MovePlan;
+use crate::pool::FunctionStatus;
 
 /// What a client asks the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,6 +38,8 @@ pub enum ClientRequest {
         /// The move's id.
         id: String,
     },
+    /// The pool's functions and their states.
+    Pool,
 }
 
 /// A running move, as `rdmamig status` shows it.
@@ -96,6 +99,11 @@ pub enum DaemonMessage {
     History {
         /// The ended moves, newest first.
         moves: Vec<MoveSummary>,
+    },
+    /// The answer to [`ClientRequest::Pool`].
+    Pool {
+        /// Every function with its state.
+        functions: Vec<FunctionStatus>,
     },
     /// The request was not run; nothing follows.
     Rejected {

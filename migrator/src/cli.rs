@@ -16,6 +16,7 @@ use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage};
 use crate::machine::Phase;
 use crate::mover::{MoveEvent, MoveReport, VmLocation};
 use crate::plan::MovePlan;
+use crate::pool::{Attachment, FunctionState};
 use crate::timeline::PhaseOutcome;
 
 /// Why the CLI could not get a move done (as opposed to a move that ran and failed).
@@ -96,9 +97,11 @@ pub async fn migrate(
             },
             Some(DaemonMessage::Report { report }) => break *report,
             Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
-            Some(DaemonMessage::Status { .. } | DaemonMessage::History { .. }) => {
-                return Err(CliError::Unexpected { request: "migrate" })
-            }
+            Some(
+                DaemonMessage::Status { .. }
+                | DaemonMessage::History { .. }
+                | DaemonMessage::Pool { .. },
+            ) => return Err(CliError::Unexpected { request: "migrate" }),
             None => return Err(CliError::NoReport),
         }
     };
@@ -141,6 +144,7 @@ pub async fn query(socket: &Path, request: ClientRequest, output: Output) -> Res
                 );
             }
             DaemonMessage::History { moves } => println!("{}", to_json(moves)),
+            DaemonMessage::Pool { functions } => println!("{}", to_json(functions)),
             other => println!("{}", to_json(other)),
         },
         Output::Text => print!("{}", render_answer(&answer)),
@@ -186,6 +190,34 @@ pub fn render_answer(answer: &DaemonMessage) -> String {
                         .map(|e| format!("  {e}"))
                         .unwrap_or_default()
                 );
+            }
+        }
+        DaemonMessage::Pool { functions } => {
+            if functions.is_empty() {
+                let _ = writeln!(text, "the pool has no functions (see [pool] in the config)");
+            }
+            for f in functions {
+                let how = match &f.attachment {
+                    Attachment::Vfio { pci } => format!("vfio {pci}"),
+                    Attachment::Emulated { properties } => format!(
+                        "emulated {}",
+                        properties
+                            .iter()
+                            .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                };
+                let state = match &f.state {
+                    FunctionState::Free => "free".to_string(),
+                    FunctionState::Reserved {
+                        move_id,
+                        expires_unix_ms,
+                    } => format!("reserved for move {move_id} until {expires_unix_ms} (unix ms)"),
+                    FunctionState::Attached { vm } => format!("attached to VM {vm}"),
+                    FunctionState::Quarantined { reason } => format!("QUARANTINED: {reason}"),
+                };
+                let _ = writeln!(text, "{:<12} {:<40} {state}", f.name, how);
             }
         }
         DaemonMessage::Report { report } => text = render_report(report),
@@ -431,6 +463,7 @@ mod tests {
                 detach: "nic0".into(),
                 attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
                 reattach: None,
+                from_pool: false,
                 via: "unix:/m".into(),
                 strategy: Strategy::Naive,
                 deadlines: Deadlines::default(),
@@ -441,6 +474,7 @@ mod tests {
             rollback_error: None,
             forced: vec![],
             recovered_from: None,
+            function: None,
             error: Some("phase detach missed its deadline of 5000 ms: the guest did not release device nic0".into()),
             vm_location: VmLocation::Source,
             timeline: Timeline {

@@ -154,7 +154,7 @@ impl Shared {
         lock(&self.running).remove(&report.id);
         let path = self.moves_dir().join(format!("{}.json", report.id));
         let text = serde_json::to_string_pretty(report).unwrap_or_default() + "\n";
-        if let Err(e) = write_durably(&path, text.as_bytes()) {
+        if let Err(e) = journal::write_durably(&path, text.as_bytes()) {
             tracing::error!(path = %path.display(), "cannot store the move report: {e}");
         }
         match &report.error {
@@ -172,16 +172,6 @@ impl Shared {
             ),
         }
     }
-}
-
-/// Writes a file through a temporary name and an fsync, so a reader never sees half of it.
-fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let temporary = path.with_extension("tmp");
-    let mut file = std::fs::File::create(&temporary)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&temporary, path)
 }
 
 /// A VM name as it may appear in a file name.
@@ -335,6 +325,10 @@ async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
     };
     match request {
         ClientRequest::Migrate { plan } => serve_move(channel, *plan, shared).await,
+        ClientRequest::Pool => {
+            let functions = shared.config.context.pool.list();
+            forward(&mut channel, &DaemonMessage::Pool { functions }).await;
+        }
         ClientRequest::Status => {
             let mut moves: Vec<RunningMove> = lock(&shared.running).values().cloned().collect();
             moves.sort_by(|a, b| a.id.cmp(&b.id));

@@ -19,6 +19,7 @@ use thiserror::Error;
 
 use crate::machine::Phase;
 use crate::plan::MovePlan;
+use crate::pool::Attachment;
 
 /// One journal line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,6 +46,13 @@ pub enum Record {
     },
     /// The migration completed: the VM now runs on the destination.
     Migrated,
+    /// A function was reserved in the destination's pool for this move.
+    Reserved {
+        /// Its name.
+        function: String,
+        /// How it is plugged.
+        attachment: Attachment,
+    },
     /// The move is being rolled back.
     RollingBack {
         /// Why.
@@ -173,6 +181,15 @@ impl Journal {
     }
 }
 
+/// Writes a file through a temporary name and an fsync, so a reader never sees half of it.
+pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let temporary = path.with_extension("tmp");
+    let mut file = std::fs::File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&temporary, path)
+}
+
 /// A journal read back.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Replay {
@@ -210,6 +227,17 @@ impl Replay {
     pub fn rolling_back(&self) -> Option<&str> {
         self.records.iter().find_map(|r| match r {
             Record::RollingBack { reason } => Some(reason.as_str()),
+            _ => None,
+        })
+    }
+
+    /// The function reserved for the move, if one was.
+    pub fn reserved(&self) -> Option<(String, Attachment)> {
+        self.records.iter().find_map(|r| match r {
+            Record::Reserved {
+                function,
+                attachment,
+            } => Some((function.clone(), attachment.clone())),
             _ => None,
         })
     }

@@ -6,6 +6,7 @@
 //! - [`timeline`]: start/end timestamps and durations of every phase;
 //! - [`plan`]: what a move is asked to do (endpoints, devices, strategy, deadlines);
 //! - [`journal`]: the crash-safe, fsynced record of every move's steps;
+//! - [`pool`]: the host's passthrough functions (TOML config, persistent states);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
 //! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
@@ -23,4 +24,5 @@ pub mod journal;
 pub mod machine;
 pub mod mover;
 pub mod plan;
+pub mod pool;
 pub mod timeline;

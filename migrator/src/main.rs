@@ -13,6 +13,7 @@ use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, QemuBackends};
 use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
+use rdmamig_migrator::pool::{Config, Pool, PoolError};
 use rdmamig_vmm::DeviceSpec;
 
 /// The daemon socket when none is given.
@@ -60,9 +61,22 @@ enum Command {
         /// there at start-up are finished or rolled back.
         #[arg(long, env = "RDMAMIG_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
         state_dir: PathBuf,
+        /// The config file (TOML; its [pool] table lists this host's passthrough functions).
+        /// Without it the pool is empty.
+        #[arg(long, env = "RDMAMIG_CONFIG")]
+        config: Option<PathBuf>,
         /// How many moves (of different VMs) may run at once.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
         max_moves: u16,
+    },
+    /// This host's passthrough functions and their states.
+    Pool {
+        /// The daemon's socket.
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// The moves running now.
     Status {
@@ -146,6 +160,10 @@ struct MigrateArgs {
     /// (default: the --attach device).
     #[arg(long)]
     reattach: Option<DeviceSpec>,
+    /// Plug a function from the destination's pool (reserved at prepare; the move fails
+    /// and rolls back at once when none is free); --attach then gives the id, bus and MAC.
+    #[arg(long)]
+    from_pool: bool,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
     via: String,
@@ -186,8 +204,16 @@ fn main() -> ExitCode {
         Command::Daemon {
             socket,
             state_dir,
+            config,
             max_moves,
         } => {
+            let pool = match open_pool(config.as_deref(), &state_dir) {
+                Ok(pool) => pool,
+                Err(e) => {
+                    eprintln!("rdmamig daemon: {}", error_chain(&e));
+                    return ExitCode::from(2);
+                }
+            };
             let boundary = match std::env::var(CRASH_AT_ENV) {
                 Ok(name) => match name.parse::<Phase>() {
                     Ok(crash_at) => Some(crash_hook(crash_at)),
@@ -204,6 +230,7 @@ fn main() -> ExitCode {
                 max_moves: usize::from(max_moves),
                 context: MoveContext {
                     backends: Arc::new(QemuBackends),
+                    pool: Arc::new(pool),
                     boundary,
                 },
             };
@@ -216,6 +243,9 @@ fn main() -> ExitCode {
             }
         }
         Command::Migrate(args) => migrate(&runtime, *args),
+        Command::Pool { socket, json } => {
+            query(&runtime, &socket, ClientRequest::Pool, output(json))
+        }
         Command::Status { socket, json } => {
             query(&runtime, &socket, ClientRequest::Status, output(json))
         }
@@ -236,6 +266,23 @@ fn main() -> ExitCode {
             output(json),
         ),
     }
+}
+
+/// The pool from the config file (empty without one), its states from the state directory.
+fn open_pool(
+    config: Option<&std::path::Path>,
+    state_dir: &std::path::Path,
+) -> Result<Pool, PoolError> {
+    let config = match config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    std::fs::create_dir_all(state_dir).map_err(|source| PoolError::State {
+        action: "write",
+        path: state_dir.into(),
+        source,
+    })?;
+    Pool::open(&config.pool, &state_dir.join("pool.json"))
 }
 
 fn output(json: bool) -> Output {
@@ -292,6 +339,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         detach: args.detach,
         attach: args.attach,
         reattach: args.reattach,
+        from_pool: args.from_pool,
         via: args.via,
         strategy: args.strategy,
         deadlines,

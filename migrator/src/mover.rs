@@ -43,6 +43,7 @@ use crate::agent::{AgentClient, AgentError, GuestAgent, Outcomes};
 use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
 use crate::plan::{Endpoint, MovePlan, Strategy};
+use crate::pool::{device_for, Attachment, Pool, PoolError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
@@ -94,6 +95,9 @@ pub type BoundaryHook = Arc<dyn Fn(Phase) + Send + Sync>;
 pub struct MoveContext {
     /// The VMMs and agents.
     pub backends: Arc<dyn Backends>,
+    /// The destination's pool of passthrough functions (on the test bed, and until
+    /// migrators talk to each other, the destination is this host).
+    pub pool: Arc<Pool>,
     /// Called at every phase boundary.
     pub boundary: Option<BoundaryHook>,
 }
@@ -179,6 +183,8 @@ pub struct MoveReport {
     /// Set when a restarted migrator finished this move from its journal: the last phase
     /// the killed migrator had entered.
     pub recovered_from: Option<Phase>,
+    /// The pool function plugged on the destination (or released by the rollback).
+    pub function: Option<String>,
     /// Every phase with its times (after a restart: the phases the restarted migrator ran).
     pub timeline: Timeline,
     /// The connections the agent listed at prepare.
@@ -203,6 +209,9 @@ pub enum StepError {
     /// The journal could not record the step, so the step did not act.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The destination's pool could not give or take a function.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
     /// A VMM is not in the state the phase needs.
     #[error("the {side} VM is {state}, {expected}")]
     VmState {
@@ -241,6 +250,7 @@ impl StepError {
             StepError::Agent(e) => e.is_timeout(),
             StepError::Stalled => true,
             StepError::Journal(_)
+            | StepError::Pool(_)
             | StepError::VmState { .. }
             | StepError::ConnectionsLost { .. }
             | StepError::Interrupted { .. } => false,
@@ -354,6 +364,7 @@ pub async fn recover(
         events,
     );
     mover.ids = replay.connections();
+    mover.function = replay.reserved();
     let last = replay.last_phase();
     mover.recovered_from = Some(last.unwrap_or(Phase::Prepare));
     mover.reached = last.unwrap_or(Phase::Prepare);
@@ -423,6 +434,8 @@ struct Mover {
     forced: Vec<ForcedPath>,
     rollback_error: Option<String>,
     recovered_from: Option<Phase>,
+    /// The function reserved in the destination's pool.
+    function: Option<(String, Attachment)>,
 }
 
 impl Mover {
@@ -455,6 +468,7 @@ impl Mover {
             forced: Vec::new(),
             rollback_error: None,
             recovered_from: None,
+            function: None,
         }
     }
 
@@ -476,6 +490,7 @@ impl Mover {
             vm_location: self.location,
             forced: self.forced,
             recovered_from: self.recovered_from,
+            function: self.function.map(|(name, _)| name),
             timeline: self.recorder.finish(),
             connections: self.connections,
             quiesce: self.quiesce,
@@ -748,6 +763,14 @@ impl Mover {
                 result.outcomes.len()
             ));
         }
+        if let Some((function, _)) = &self.function {
+            self.context
+                .pool
+                .release(function, &self.id, &self.plan.vm)?;
+            steps.push(format!(
+                "function {function} released to the destination's pool"
+            ));
+        }
         Ok(())
     }
 
@@ -813,6 +836,15 @@ impl Mover {
     async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let mut details = Map::new();
+        if self.plan.from_pool {
+            let (function, attachment) = self.context.pool.reserve(&self.id)?;
+            self.journal.append(&Record::Reserved {
+                function: function.clone(),
+                attachment: attachment.clone(),
+            })?;
+            details.insert("function".into(), function.clone().into());
+            self.function = Some((function, attachment));
+        }
         let source = self.vmm(Side::Source).await?;
         let state = source.status().await?.state;
         if matches!(state.as_str(), "inmigrate" | "postmigrate" | "shutdown") {
@@ -1004,14 +1036,24 @@ impl Mover {
     async fn attach(&mut self) -> Result<Finished, StepError> {
         let destination = self.vmm(Side::Destination).await?;
         let mut details = Map::new();
-        let id = self.plan.attach.id().to_string();
+        let spec = match &self.function {
+            Some((_, attachment)) => device_for(attachment, &self.plan.attach),
+            None => self.plan.attach.clone(),
+        };
+        let id = spec.id().to_string();
         if self.recovered_from.is_some() && destination.has_device(&id).await? {
             details.insert("already_attached".into(), true.into());
         } else {
-            destination.add_device(&self.plan.attach).await?;
+            destination.add_device(&spec).await?;
+        }
+        if let Some((function, _)) = &self.function {
+            self.context
+                .pool
+                .attach(function, &self.id, &self.plan.vm)?;
+            details.insert("function".into(), function.clone().into());
         }
         details.insert("device".into(), id.into());
-        details.insert("driver".into(), self.plan.attach.driver().into());
+        details.insert("driver".into(), spec.driver().into());
         Ok(Finished::ok(details))
     }
 
@@ -1113,23 +1155,47 @@ mod tests {
     use crate::fakes::{FakeBackends, FakeHost, Fault, Where};
     use crate::journal;
     use crate::plan::tests::plan;
+    use crate::pool::FunctionState;
 
     struct Bed {
         host: FakeHost,
         dir: tempfile::TempDir,
+        pool: Arc<Pool>,
     }
 
     impl Bed {
-        fn new() -> Bed {
+        /// A fake host whose pool has `functions` emulated functions `tap0`...
+        fn with_pool(functions: usize) -> Bed {
+            let dir = tempfile::tempdir().unwrap();
+            let mut text = String::new();
+            for i in 0..functions {
+                text.push_str(&format!(
+                    "[[pool.function]]\nname = \"tap{i}\"\ndevice = \"driver=e1000e,netdev=nd{i}\"\n"
+                ));
+            }
+            let config: crate::pool::Config = toml::from_str(&text).unwrap();
+            let pool = Pool::open(&config.pool, &dir.path().join("pool.json")).unwrap();
             Bed {
                 host: FakeHost::new(),
-                dir: tempfile::tempdir().unwrap(),
+                dir,
+                pool: Arc::new(pool),
             }
+        }
+
+        fn new() -> Bed {
+            Bed::with_pool(0)
+        }
+
+        fn pooled() -> MovePlan {
+            let mut plan = plan();
+            plan.from_pool = true;
+            plan
         }
 
         fn context(&self, boundary: Option<BoundaryHook>) -> MoveContext {
             MoveContext {
                 backends: Arc::new(FakeBackends(self.host.clone())),
+                pool: self.pool.clone(),
                 boundary,
             }
         }
@@ -1423,6 +1489,62 @@ mod tests {
         assert!(report.ok, "{report:#?}");
         assert_eq!(report.vm_location, VmLocation::Destination);
         assert_eq!(bed.host.state().resumed_on, vec![Where::Destination]);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_function_is_reserved_then_attached() {
+        let bed = Bed::with_pool(1);
+        let report = bed.run(Bed::pooled()).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.function.as_deref(), Some("tap0"));
+        assert_eq!(
+            bed.pool.state("tap0"),
+            Some(FunctionState::Attached { vm: "vm1".into() })
+        );
+        let attach = &report.timeline.phases[4];
+        assert_eq!(attach.details["driver"], "e1000e");
+    }
+
+    #[tokio::test]
+    async fn no_free_function_rolls_back_at_prepare_before_touching_the_vm() {
+        let bed = Bed::with_pool(0);
+        let report = bed.run(Bed::pooled()).await;
+        assert_back_on_source(&bed, &report, false);
+        assert_eq!(report.failed_phase, Some(Phase::Prepare));
+        assert!(report
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("no free function in the pool"));
+        assert!(bed.calls().is_empty(), "{:?}", bed.calls());
+    }
+
+    #[tokio::test]
+    async fn a_rollback_releases_the_reservation() {
+        for fault in ["src.wait_migration", "dst.add_device"] {
+            let bed = Bed::with_pool(1);
+            bed.host.fail(fault, Fault::Refuse);
+            let report = bed.run(Bed::pooled()).await;
+            assert_back_on_source(&bed, &report, true);
+            assert_eq!(bed.pool.state("tap0"), Some(FunctionState::Free), "{fault}");
+            let steps = &report.timeline.phases.last().unwrap().details["steps"];
+            assert!(steps.to_string().contains("tap0 released"), "{steps}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reservation_survives_a_killed_migrator_and_the_recovery_uses_it() {
+        let bed = Bed::with_pool(1);
+        let report = crash_and_recover(&bed, Bed::pooled(), Phase::Attach).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(
+            bed.pool.state("tap0"),
+            Some(FunctionState::Attached { vm: "vm1".into() })
+        );
+        let bed = Bed::with_pool(1);
+        let report = crash_and_recover(&bed, Bed::pooled(), Phase::Detach).await;
+        assert_eq!(report.final_phase, Phase::RolledBack);
+        assert_eq!(bed.pool.state("tap0"), Some(FunctionState::Free));
     }
 
     #[tokio::test]

@@ -119,6 +119,11 @@ pub struct MovePlan {
     /// `attach` when not given (the destination runs the VM's own configuration).
     #[serde(default)]
     pub reattach: Option<DeviceSpec>,
+    /// Plug a function from the destination's pool (reserved at prepare) instead of
+    /// `attach` as it is; `attach` then gives the properties the function does not (id,
+    /// bus, MAC).
+    #[serde(default)]
+    pub from_pool: bool,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
     /// How connections are treated.
@@ -218,6 +223,7 @@ pub(crate) mod tests {
             detach: "nic0".into(),
             attach: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
             reattach: None,
+            from_pool: false,
             via: "unix:/d/mig.sock".into(),
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),

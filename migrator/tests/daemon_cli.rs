@@ -136,6 +136,10 @@ fn start_daemon(dir: &Path, crash_at: Option<&str>) -> Process {
     if let Some(phase) = crash_at {
         command.env("RDMAMIG_CRASH_AT", phase);
     }
+    let config = dir.join("rdmamig.toml");
+    if config.exists() {
+        command.arg("--config").arg(config);
+    }
     let daemon = Process(command.spawn().unwrap());
     wait_for_file(&socket);
     daemon
@@ -147,7 +151,15 @@ impl Bed {
     }
 
     fn start_crashing(source_extra: &[&str], crash_at: Option<&str>) -> Bed {
+        Bed::start_full(source_extra, crash_at, None)
+    }
+
+    /// `config`: the daemon's config file's text.
+    fn start_full(source_extra: &[&str], crash_at: Option<&str>, config: Option<&str>) -> Bed {
         let dir = tempfile::tempdir().unwrap();
+        if let Some(config) = config {
+            std::fs::write(dir.path().join("rdmamig.toml"), config).unwrap();
+        }
         let socket = dir.path().join("rdmamig.sock");
         let source = Vm::start(dir.path(), "src", source_extra);
         let destination = Vm::start(dir.path(), "dst", &["-incoming", "defer"]);
@@ -464,6 +476,70 @@ fn a_silent_agent_fails_the_reconnect_move_at_prepare() {
     // The device was not touched.
     let kbd = qmp(
         &bed.source.qmp(),
+        "qom-get",
+        serde_json::json!({"path": "/machine/peripheral/kbd0", "property": "type"}),
+    );
+    assert_eq!(kbd["return"], "usb-kbd", "{kbd}");
+}
+
+/// One emulated function in the pool: the first move gets it, the second finds none free and
+/// rolls back before touching the VM; `rdmamig pool` shows the states.
+#[test]
+fn moves_take_functions_from_the_pool_and_none_free_rolls_back_at_prepare() {
+    let config = "[pool]\nreservation_s = 60\n\n[[pool.function]]\nname = \"tap0\"\n\
+                  device = \"driver=virtio-net-pci,netdev=nd0\"\n";
+    let bed = Bed::start_full(
+        &["-device", "usb-kbd,id=kbd0,bus=xhci.0"],
+        None,
+        Some(config),
+    );
+    let pool = bed.query(&["pool"]);
+    assert_eq!(pool[0]["name"], "tap0");
+    assert_eq!(pool[0]["state"]["state"], "free");
+
+    let out = bed.migrate("kbd0", &["--strategy", "naive", "--from-pool"]);
+    assert!(out.status.success(), "{}", out.status);
+    let report = bed.report();
+    assert_eq!(report["function"], "tap0");
+    assert_eq!(
+        report["timeline"]["phases"][4]["details"]["function"],
+        "tap0"
+    );
+    let pool = bed.query(&["pool"]);
+    assert_eq!(pool[0]["state"]["state"], "attached");
+    assert_eq!(pool[0]["state"]["vm"], "vm1");
+
+    // A second VM finds the pool empty: the move fails at prepare and nothing was touched.
+    let other = Vm::start(
+        bed.dir.path(),
+        "src2",
+        &["-device", "usb-kbd,id=kbd0,bus=xhci.0"],
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+        .arg("migrate")
+        .arg("--socket")
+        .arg(&bed.socket)
+        .args(["--vm", "vm2", "--qmp"])
+        .arg(other.qmp())
+        .args(["--detach", "kbd0", "--to-qmp"])
+        .arg(bed.destination.qmp())
+        .args([
+            "--attach",
+            "driver=virtio-net-pci,id=nic2,bus=rp1",
+            "--via",
+            "unix:/nonexistent/m",
+        ])
+        .args(["--strategy", "naive", "--from-pool", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("phase prepare failed: no free function in the pool (1 attached)"),
+        "{stderr}"
+    );
+    let kbd = qmp(
+        &other.qmp(),
         "qom-get",
         serde_json::json!({"path": "/machine/peripheral/kbd0", "property": "type"}),
     );

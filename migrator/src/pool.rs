@@ -1,0 +1,598 @@
+//! The host's pool of passthrough functions, configured in TOML, with persistent states.
+//!
+//! A destination needs a function to plug into the arriving VM; two moves must never get the
+//! same one, and a function whose reset failed must never be handed out. Each function is
+//! therefore in exactly one state: free, reserved (for a named move, until an expiry, so a
+//! move that dies without a word does not hold it forever), attached (to a named VM), or
+//! quarantined (with the reason; only an operator frees it). Every change is written to
+//! `<state-dir>/pool.json` through a temporary file and an fsync before it is acted on, so a
+//! reservation survives a restart of the migrator.
+//!
+//! How a function is plugged is the config's business: a real SR-IOV VF is given by PCI
+//! address and plugged as `driver=vfio-pci,host=<address>`; a test-bed function is an
+//! emulated NIC on a tap (`device = "driver=virtio-net-pci,netdev=nd1"`). The move adds its
+//! own properties (id, bus, MAC) from its `--attach`.
+//!
+//! ```toml
+//! [pool]
+//! reservation_s = 300
+//!
+//! [[pool.function]]
+//! name = "vf0"
+//! pci = "0000:3b:00.2"
+//!
+//! [[pool.function]]
+//! name = "tap1"
+//! device = "driver=virtio-net-pci,netdev=nd1"
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use rdmamig_vmm::{DeviceSpec, DeviceSpecError};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use crate::timeline::unix_ms;
+
+/// How long a reservation holds when the config does not say.
+const DEFAULT_RESERVATION_S: u64 = 300;
+
+/// The `[pool]` table of the daemon's config file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// How long a reservation holds before the function is free again, s.
+    #[serde(default)]
+    pub reservation_s: Option<u64>,
+    /// The functions.
+    #[serde(default, rename = "function")]
+    pub functions: Vec<FunctionConfig>,
+}
+
+/// One function as configured.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionConfig {
+    /// Its name in the pool.
+    pub name: String,
+    /// A real VF's PCI address (`0000:3b:00.2`), plugged through VFIO.
+    #[serde(default)]
+    pub pci: Option<String>,
+    /// An emulated device's `device_add` properties (without id).
+    #[serde(default)]
+    pub device: Option<String>,
+}
+
+/// The daemon's config file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The pool of passthrough functions.
+    #[serde(default)]
+    pub pool: PoolConfig,
+}
+
+/// How a function is plugged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Attachment {
+    /// A real VF through VFIO.
+    Vfio {
+        /// Its PCI address.
+        pci: String,
+    },
+    /// An emulated device.
+    Emulated {
+        /// Its properties.
+        properties: Map<String, Value>,
+    },
+}
+
+/// Where a function stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum FunctionState {
+    /// Anyone may reserve it.
+    Free,
+    /// Held for a move until the expiry.
+    Reserved {
+        /// The move.
+        move_id: String,
+        /// When the hold ends, ms since the epoch.
+        expires_unix_ms: u64,
+    },
+    /// Plugged into a VM.
+    Attached {
+        /// The VM.
+        vm: String,
+    },
+    /// Not to be handed out (its reset failed); an operator must look at it.
+    Quarantined {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One function and its state, as `rdmamig pool` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionStatus {
+    /// Its name.
+    pub name: String,
+    /// How it is plugged.
+    pub attachment: Attachment,
+    /// Its state.
+    pub state: FunctionState,
+}
+
+/// Why a pool operation failed.
+#[derive(Debug, Error)]
+pub enum PoolError {
+    /// The config file cannot be read.
+    #[error("cannot read the config file {path}")]
+    ReadConfig {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The config file is not valid.
+    #[error("the config file {path} is not valid")]
+    ParseConfig {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A function's entry is not usable.
+    #[error("pool function {name:?}: {reason}")]
+    BadFunction {
+        /// The function.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A function's device description does not parse.
+    #[error("pool function {name:?}: bad device description")]
+    BadDevice {
+        /// The function.
+        name: String,
+        /// What the parser said.
+        #[source]
+        source: DeviceSpecError,
+    },
+    /// The saved states cannot be read or written.
+    #[error("cannot {action} the pool state {path}")]
+    State {
+        /// `read` or `write`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Every function is taken.
+    #[error("no free function in the pool ({summary})")]
+    NoFreeFunction {
+        /// How many are in each state.
+        summary: String,
+    },
+    /// The function is not in the pool.
+    #[error("no function {name:?} in the pool")]
+    Unknown {
+        /// The name.
+        name: String,
+    },
+    /// The function is not in the state the operation needs.
+    #[error("pool function {name} is {state}, {expected}")]
+    WrongState {
+        /// The function.
+        name: String,
+        /// Its state, in words.
+        state: String,
+        /// What the operation needed.
+        expected: &'static str,
+    },
+}
+
+impl Config {
+    /// Reads the config file.
+    pub fn load(path: &Path) -> Result<Config, PoolError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PoolError::ReadConfig {
+            path: path.into(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| PoolError::ParseConfig {
+            path: path.into(),
+            source,
+        })
+    }
+}
+
+fn describe(state: &FunctionState) -> String {
+    match state {
+        FunctionState::Free => "free".into(),
+        FunctionState::Reserved { move_id, .. } => format!("reserved for move {move_id}"),
+        FunctionState::Attached { vm } => format!("attached to VM {vm}"),
+        FunctionState::Quarantined { reason } => format!("quarantined ({reason})"),
+    }
+}
+
+/// The pool: configured functions, their states, the file that keeps them.
+#[derive(Debug)]
+pub struct Pool {
+    functions: BTreeMap<String, Attachment>,
+    states: Mutex<BTreeMap<String, FunctionState>>,
+    reservation_ms: u64,
+    path: PathBuf,
+}
+
+impl Pool {
+    /// Builds the pool from its config, taking the saved states from `state_file` (a
+    /// function new to the config is free; a saved state of a function no longer configured
+    /// is dropped).
+    pub fn open(config: &PoolConfig, state_file: &Path) -> Result<Pool, PoolError> {
+        let mut functions = BTreeMap::new();
+        for f in &config.functions {
+            let bad = |reason: &str| PoolError::BadFunction {
+                name: f.name.clone(),
+                reason: reason.into(),
+            };
+            if f.name.is_empty() {
+                return Err(bad("the name is empty"));
+            }
+            let attachment = match (&f.pci, &f.device) {
+                (Some(pci), None) => {
+                    if !is_pci_address(pci) {
+                        return Err(bad("pci must be a PCI address like 0000:3b:00.2"));
+                    }
+                    Attachment::Vfio { pci: pci.clone() }
+                }
+                (None, Some(device)) => {
+                    // Parse with a placeholder id: the move gives the real one.
+                    let spec =
+                        DeviceSpec::parse(&format!("{device},id=pool")).map_err(|source| {
+                            PoolError::BadDevice {
+                                name: f.name.clone(),
+                                source,
+                            }
+                        })?;
+                    let mut properties = spec.properties().clone();
+                    properties.remove("id");
+                    Attachment::Emulated { properties }
+                }
+                _ => return Err(bad("give exactly one of pci and device")),
+            };
+            if functions.insert(f.name.clone(), attachment).is_some() {
+                return Err(bad("the name appears twice"));
+            }
+        }
+        let saved: BTreeMap<String, FunctionState> = match std::fs::read(state_file) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| PoolError::State {
+                action: "read",
+                path: state_file.into(),
+                source: std::io::Error::other(e),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(source) => {
+                return Err(PoolError::State {
+                    action: "read",
+                    path: state_file.into(),
+                    source,
+                })
+            }
+        };
+        let states = functions
+            .keys()
+            .map(|name| {
+                let state = saved.get(name).cloned().unwrap_or(FunctionState::Free);
+                (name.clone(), state)
+            })
+            .collect();
+        Ok(Pool {
+            functions,
+            states: Mutex::new(states),
+            reservation_ms: config.reservation_s.unwrap_or(DEFAULT_RESERVATION_S) * 1000,
+            path: state_file.into(),
+        })
+    }
+
+    /// Every function with its state (expired reservations shown free).
+    pub fn list(&self) -> Vec<FunctionStatus> {
+        let now = unix_ms();
+        let states = self.lock();
+        self.functions
+            .iter()
+            .map(|(name, attachment)| FunctionStatus {
+                name: name.clone(),
+                attachment: attachment.clone(),
+                state: effective(&states[name], now),
+            })
+            .collect()
+    }
+
+    /// Reserves a free function for `move_id`; returns its name and how it is plugged.
+    pub fn reserve(&self, move_id: &str) -> Result<(String, Attachment), PoolError> {
+        let now = unix_ms();
+        let mut states = self.lock();
+        let name = states
+            .iter()
+            .find(|(_, state)| effective(state, now) == FunctionState::Free)
+            .map(|(name, _)| name.clone())
+            .ok_or_else(|| PoolError::NoFreeFunction {
+                summary: summary(&states, now),
+            })?;
+        let mut next = states.clone();
+        next.insert(
+            name.clone(),
+            FunctionState::Reserved {
+                move_id: move_id.into(),
+                expires_unix_ms: now + self.reservation_ms,
+            },
+        );
+        self.save(&next)?;
+        *states = next;
+        Ok((name.clone(), self.functions[&name].clone()))
+    }
+
+    /// Marks a function reserved for `move_id` as attached to `vm`.
+    pub fn attach(&self, name: &str, move_id: &str, vm: &str) -> Result<(), PoolError> {
+        let allowed = |state: &FunctionState| match state {
+            FunctionState::Reserved { move_id: m, .. } if m == move_id => Ok(()),
+            // A restarted migrator repeats the step.
+            FunctionState::Attached { vm: v } if v == vm => Ok(()),
+            _ => Err("not reserved for this move"),
+        };
+        self.change(name, allowed, FunctionState::Attached { vm: vm.into() })
+    }
+
+    /// Frees a function reserved for `move_id` (or attached to `vm`: a move that failed
+    /// back after the attach).
+    pub fn release(&self, name: &str, move_id: &str, vm: &str) -> Result<(), PoolError> {
+        let allowed = |state: &FunctionState| match state {
+            FunctionState::Reserved { move_id: m, .. } if m == move_id => Ok(()),
+            FunctionState::Attached { vm: v } if v == vm => Ok(()),
+            FunctionState::Free => Ok(()),
+            _ => Err("not held by this move"),
+        };
+        self.change(name, allowed, FunctionState::Free)
+    }
+
+    /// The state of one function, as saved (an expired reservation still shows).
+    pub fn state(&self, name: &str) -> Option<FunctionState> {
+        self.lock().get(name).cloned()
+    }
+
+    fn change(
+        &self,
+        name: &str,
+        allowed: impl FnOnce(&FunctionState) -> Result<(), &'static str>,
+        to: FunctionState,
+    ) -> Result<(), PoolError> {
+        let mut states = self.lock();
+        let state = states
+            .get(name)
+            .ok_or_else(|| PoolError::Unknown { name: name.into() })?;
+        allowed(state).map_err(|expected| PoolError::WrongState {
+            name: name.into(),
+            state: describe(state),
+            expected,
+        })?;
+        let mut next = states.clone();
+        next.insert(name.into(), to);
+        self.save(&next)?;
+        *states = next;
+        Ok(())
+    }
+
+    fn save(&self, states: &BTreeMap<String, FunctionState>) -> Result<(), PoolError> {
+        let bytes = serde_json::to_vec_pretty(states).unwrap_or_default();
+        crate::journal::write_durably(&self.path, &bytes).map_err(|source| PoolError::State {
+            action: "write",
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, FunctionState>> {
+        self.states
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A reservation past its expiry is free.
+fn effective(state: &FunctionState, now: u64) -> FunctionState {
+    match state {
+        FunctionState::Reserved {
+            expires_unix_ms, ..
+        } if *expires_unix_ms <= now => FunctionState::Free,
+        other => other.clone(),
+    }
+}
+
+fn summary(states: &BTreeMap<String, FunctionState>, now: u64) -> String {
+    if states.is_empty() {
+        return "the pool has no functions; configure [[pool.function]] entries".into();
+    }
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for state in states.values() {
+        let key = match effective(state, now) {
+            FunctionState::Free => "free",
+            FunctionState::Reserved { .. } => "reserved",
+            FunctionState::Attached { .. } => "attached",
+            FunctionState::Quarantined { .. } => "quarantined",
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|(k, n)| format!("{n} {k}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn is_pci_address(text: &str) -> bool {
+    let b = text.as_bytes();
+    let hex = |range: std::ops::Range<usize>| b[range].iter().all(u8::is_ascii_hexdigit);
+    b.len() == 12
+        && hex(0..4)
+        && b[4] == b':'
+        && hex(5..7)
+        && b[7] == b':'
+        && hex(8..10)
+        && b[10] == b'.'
+        && (b'0'..=b'7').contains(&b[11])
+}
+
+/// The device a move plugs: the function's own properties over the move's `--attach`
+/// (which gives the id, bus and MAC).
+pub fn device_for(attachment: &Attachment, attach: &DeviceSpec) -> DeviceSpec {
+    let mut properties = attach.properties().clone();
+    match attachment {
+        Attachment::Vfio { pci } => {
+            properties.insert("driver".into(), "vfio-pci".into());
+            properties.insert("host".into(), pci.clone().into());
+            properties.remove("netdev");
+            properties.remove("mac");
+        }
+        Attachment::Emulated { properties: own } => {
+            for (key, value) in own {
+                properties.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    DeviceSpec::from_properties(properties).unwrap_or_else(|_| attach.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG: &str = r#"
+        [pool]
+        reservation_s = 60
+
+        [[pool.function]]
+        name = "vf0"
+        pci = "0000:3b:00.2"
+
+        [[pool.function]]
+        name = "tap1"
+        device = "driver=virtio-net-pci,netdev=nd1"
+    "#;
+
+    fn config() -> PoolConfig {
+        toml::from_str::<Config>(CONFIG).unwrap().pool
+    }
+
+    #[test]
+    fn states_move_and_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pool.json");
+        let pool = Pool::open(&config(), &file).unwrap();
+        assert!(pool.list().iter().all(|f| f.state == FunctionState::Free));
+        let (first, attachment) = pool.reserve("m1").unwrap();
+        assert_eq!(first, "tap1");
+        let (second, _) = pool.reserve("m2").unwrap();
+        assert_eq!(second, "vf0");
+        let err = pool.reserve("m3").unwrap_err();
+        assert_eq!(err.to_string(), "no free function in the pool (2 reserved)");
+        assert!(matches!(attachment, Attachment::Emulated { .. }));
+        pool.attach("tap1", "m1", "vm1").unwrap();
+        assert!(matches!(
+            pool.attach("vf0", "m1", "vm1"),
+            Err(PoolError::WrongState { .. })
+        ));
+        drop(pool);
+
+        let pool = Pool::open(&config(), &file).unwrap();
+        assert_eq!(
+            pool.state("tap1"),
+            Some(FunctionState::Attached { vm: "vm1".into() })
+        );
+        assert!(matches!(
+            pool.state("vf0"),
+            Some(FunctionState::Reserved { move_id, .. }) if move_id == "m2"
+        ));
+        pool.release("vf0", "m2", "vm2").unwrap();
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+        assert!(matches!(
+            pool.release("tap1", "m9", "vm9"),
+            Err(PoolError::WrongState { .. })
+        ));
+        assert!(matches!(
+            pool.release("nope", "m", "v"),
+            Err(PoolError::Unknown { .. })
+        ));
+    }
+
+    #[test]
+    fn an_expired_reservation_is_free_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config();
+        config.reservation_s = Some(0);
+        config.functions.truncate(1);
+        let pool = Pool::open(&config, &dir.path().join("pool.json")).unwrap();
+        pool.reserve("m1").unwrap();
+        assert_eq!(pool.list()[0].state, FunctionState::Free);
+        pool.reserve("m2").unwrap();
+    }
+
+    #[test]
+    fn bad_configs_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pool.json");
+        for (text, expected) in [
+            ("[[pool.function]]\nname = \"a\"\n", "give exactly one of pci and device"),
+            ("[[pool.function]]\nname = \"a\"\npci = \"3b:00.2\"\n", "pci must be a PCI address"),
+            (
+                "[[pool.function]]\nname = \"a\"\ndevice = \"netdev\"\n",
+                "bad device description",
+            ),
+            (
+                "[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e\"\n[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e\"\n",
+                "appears twice",
+            ),
+        ] {
+            let config = toml::from_str::<Config>(text).unwrap().pool;
+            let err = Pool::open(&config, &file).unwrap_err();
+            assert!(err.to_string().contains(expected), "{text}: {err}");
+        }
+        assert!(toml::from_str::<Config>("[pool]\nsize = 3\n").is_err());
+        let empty = Pool::open(&PoolConfig::default(), &file).unwrap();
+        assert!(empty
+            .reserve("m")
+            .unwrap_err()
+            .to_string()
+            .contains("the pool has no functions"));
+    }
+
+    #[test]
+    fn the_device_combines_the_function_and_the_move() {
+        let attach = DeviceSpec::parse(
+            "driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11",
+        )
+        .unwrap();
+        let vfio = device_for(
+            &Attachment::Vfio {
+                pci: "0000:3b:00.2".into(),
+            },
+            &attach,
+        );
+        assert_eq!(
+            vfio.to_string(),
+            "bus=rp1,driver=vfio-pci,host=0000:3b:00.2,id=nic1"
+        );
+        let mut own = Map::new();
+        own.insert("netdev".into(), "nd1".into());
+        let emulated = device_for(&Attachment::Emulated { properties: own }, &attach);
+        assert_eq!(emulated.properties()["netdev"], "nd1");
+        assert_eq!(emulated.id(), "nic1");
+    }
+}
