@@ -7,6 +7,8 @@
 //! - [`plan`]: what a move is asked to do (endpoints, devices, strategy, deadlines);
 //! - [`journal`]: the crash-safe, fsynced record of every move's steps;
 //! - [`pool`]: the host's passthrough functions (TOML config, persistent states);
+//! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
+//!   migration support);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
 //! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
@@ -26,3 +28,4 @@ pub mod mover;
 pub mod plan;
 pub mod pool;
 pub mod timeline;
+pub mod vfio;

@@ -1,0 +1,117 @@
+//! `rdmamig-vfio-check`: runs the migrator's VFIO layer against every PCI device with the
+//! given vendor:device ids, as a host would, and prints one JSON line per device.
+//!
+//! It is the in-guest half of the test-bed VFIO test (tests/tests/vfio.rs): a guest with an
+//! emulated IOMMU plays the host, and this program does what the migrator does with a
+//! passthrough function, for real: refuse it while it is not on vfio-pci, bind it through
+//! driver_override, check its IOMMU group, open it through vfio-ioctls, reset it (or say that
+//! it advertises no reset), map and unmap DMA, and ask whether it supports VFIO migration.
+//!
+//! Usage: `rdmamig-vfio-check 1234:11e8 8086:10d3 ...`
+
+use std::process::ExitCode;
+
+use rdmamig_migrator::mover::error_chain;
+use rdmamig_migrator::vfio::{DmaBuffer, Sysfs, VfioFunction};
+use serde_json::{json, Map, Value};
+
+/// Where the DMA check maps its buffer.
+const IOVA: u64 = 0x10_0000;
+
+/// The DMA buffer's size.
+const DMA_LEN: usize = 64 * 1024;
+
+fn main() -> ExitCode {
+    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    if wanted.is_empty() {
+        eprintln!("usage: rdmamig-vfio-check VENDOR:DEVICE...");
+        return ExitCode::from(2);
+    }
+    let sysfs = Sysfs::default();
+    let mut addresses: Vec<(String, String)> = match std::fs::read_dir("/sys/bus/pci/devices") {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let address = e.file_name().to_string_lossy().into_owned();
+                let id = |file: &str| {
+                    std::fs::read_to_string(e.path().join(file))
+                        .map(|s| s.trim().trim_start_matches("0x").to_string())
+                        .unwrap_or_default()
+                };
+                let ids = format!("{}:{}", id("vendor"), id("device"));
+                wanted.contains(&ids).then_some((address, ids))
+            })
+            .collect(),
+        Err(e) => {
+            eprintln!("rdmamig-vfio-check: cannot list PCI devices: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    addresses.sort();
+    for (address, ids) in addresses {
+        println!("{}", Value::Object(check(&sysfs, &address, &ids)));
+    }
+    ExitCode::SUCCESS
+}
+
+fn outcome<T>(result: Result<T, impl std::error::Error>) -> Value {
+    match result {
+        Ok(_) => json!("ok"),
+        Err(e) => json!({ "error": error_chain(&e) }),
+    }
+}
+
+fn check(sysfs: &Sysfs, address: &str, ids: &str) -> Map<String, Value> {
+    let mut report = Map::new();
+    report.insert("address".into(), address.into());
+    report.insert("ids".into(), ids.into());
+    report.insert(
+        "driver_before".into(),
+        json!(sysfs.driver(address).ok().flatten()),
+    );
+    report.insert(
+        "open_before_bind".into(),
+        outcome(VfioFunction::open(sysfs, address)),
+    );
+    report.insert("bind".into(), outcome(sysfs.bind_vfio(address)));
+    report.insert("group".into(), json!(sysfs.iommu_group(address).ok()));
+    let function = match VfioFunction::open(sysfs, address) {
+        Ok(function) => {
+            report.insert("open".into(), json!("ok"));
+            function
+        }
+        Err(e) => {
+            report.insert("open".into(), json!({ "error": error_chain(&e) }));
+            return report;
+        }
+    };
+    report.insert(
+        "reset_advertised".into(),
+        function.reset_advertised().into(),
+    );
+    report.insert("reset".into(), outcome(function.reset()));
+    let dma = DmaBuffer::new(DMA_LEN)
+        .map_err(|e| e.to_string())
+        .and_then(|buffer| {
+            function
+                .dma_map(IOVA, &buffer)
+                .and_then(|()| function.dma_unmap(IOVA, buffer.len()))
+                .map_err(|e| error_chain(&e))
+        });
+    report.insert(
+        "dma".into(),
+        match dma {
+            Ok(()) => json!("ok"),
+            Err(e) => json!({ "error": e }),
+        },
+    );
+    report.insert(
+        "migration".into(),
+        match function.migration_support() {
+            Ok(None) => json!("not supported"),
+            Ok(Some(flags)) => json!({ "flags": flags }),
+            Err(e) => json!({ "error": error_chain(&e) }),
+        },
+    );
+    report
+}
