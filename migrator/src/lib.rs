@@ -9,6 +9,8 @@
 //! - [`pool`]: the host's passthrough functions (TOML config, persistent states);
 //! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
 //!   migration support);
+//! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
+//!   (unit-tested only: not run on hardware);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
 //! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
@@ -29,3 +31,4 @@ pub mod plan;
 pub mod pool;
 pub mod timeline;
 pub mod vfio;
+pub mod vfio_migrate;

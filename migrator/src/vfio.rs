@@ -27,6 +27,8 @@ use thiserror::Error;
 use vfio_bindings::bindings::vfio::{vfio_device_info, VFIO_DEVICE_FLAGS_RESET};
 use vfio_ioctls::{VfioContainer, VfioDevice};
 
+use crate::vfio_migrate::{auto_picks_vfio_migrate, MigError, MigState, MigratableDevice};
+
 /// The driver a passthrough function must be bound to.
 pub const VFIO_DRIVER: &str = "vfio-pci";
 
@@ -159,6 +161,14 @@ pub enum VfioError {
         /// What vfio-ioctls said.
         #[source]
         source: vfio_ioctls::VfioError,
+    },
+    /// The device cannot migrate its state (strategy `vfio-migrate` needs STOP_COPY).
+    #[error("PCI device {address} does not support VFIO migration (flags {flags:#x})")]
+    NoMigration {
+        /// The device.
+        address: String,
+        /// What it reported.
+        flags: u64,
     },
     /// The migration support query failed.
     #[error("cannot query VFIO migration support of {address}")]
@@ -443,6 +453,55 @@ impl VfioFunction {
             .map_err(|source| VfioError::Migration {
                 address: self.address.clone(),
                 source,
+            })
+    }
+}
+
+/// A function's VFIO migration interface (uAPI v2), for strategy `vfio-migrate`.
+pub struct VfioMigration<'a> {
+    function: &'a VfioFunction,
+    flags: u64,
+}
+
+impl VfioFunction {
+    /// The migration interface, or why the device has none.
+    pub fn migration(&self) -> Result<VfioMigration<'_>, VfioError> {
+        match self.migration_support()? {
+            Some(flags) if auto_picks_vfio_migrate(Some(flags)) => Ok(VfioMigration {
+                function: self,
+                flags,
+            }),
+            other => Err(VfioError::NoMigration {
+                address: self.address.clone(),
+                flags: other.unwrap_or(0),
+            }),
+        }
+    }
+}
+
+impl MigratableDevice for VfioMigration<'_> {
+    fn flags(&self) -> u64 {
+        self.flags
+    }
+
+    fn state(&self) -> MigState {
+        self.function
+            .device
+            .get_migration_state()
+            .ok()
+            .and_then(MigState::from_uapi)
+            .unwrap_or(MigState::Error)
+    }
+
+    fn set_state(&mut self, to: MigState) -> Result<(), MigError> {
+        let from = self.state();
+        self.function
+            .device
+            .set_migration_state(to as u32)
+            .map_err(|e| MigError::Refused {
+                from,
+                to,
+                reason: e.to_string(),
             })
     }
 }

@@ -3,8 +3,10 @@
 //!
 //! - `pre-migrate` (on the source, before the workflow migrates): the guest agent quiesces
 //!   every RDMA connection and releases the NIC, then the NIC is hot-unplugged. If the
-//!   unplug fails the connections are resumed on the source and the hook fails, so the
-//!   workflow stops with the VM as it was.
+//!   unplug does not complete (a process the agent does not know holds the NIC) the hook
+//!   fails, so the workflow stops; it tries to resume the connections on the source and
+//!   reports whether that worked (on Linux the unplug stays pending and the port is already
+//!   down, so usually not: the holder must go, and the NIC with it).
 //! - `post-migrate` (on the destination, after the migration): the new NIC is hot-plugged
 //!   and the agent resumes every connection on it.
 //! - `migrate` (in place of `ch-remote send-migration <destination_url>`): the whole
@@ -135,6 +137,9 @@ struct MigrateArgs {
     #[arg(long, default_value = "rdmamig")]
     rdmamig: PathBuf,
 }
+
+/// How long a failed pre-migrate tries to resume the connections on the source.
+const RESUME_ON_SOURCE: Duration = Duration::from_secs(3);
 
 /// A hook's failure: what to print, and whether it is the caller's mistake.
 struct Failure {
@@ -318,8 +323,11 @@ async fn pre_migrate(
     });
     let unplug = Instant::now();
     if let Err(e) = vmm.remove_device(detach, detach_deadline).await {
-        // Leave the VM as it was: the NIC is still there, so resume on it.
-        let resumed = agent.resume(&ids, Duration::from_secs(20)).await;
+        // The workflow must not migrate now. Try to give the connections back their NIC;
+        // a Linux guest has usually begun tearing it down already (the unplug stays pending
+        // until the holder lets go), and then the agent says the port is not ACTIVE.
+        report["unplug_pending"] = e.is_timeout().into();
+        let resumed = agent.resume(&ids, RESUME_ON_SOURCE).await;
         report["resumed_on_source"] = match &resumed {
             Ok(outcomes) => outcomes.outcomes.iter().filter(|o| o.ok).count().into(),
             Err(e) => error_chain(e).into(),
