@@ -1,6 +1,10 @@
 //! The traffic tool's logic: numbered, timestamped messages both ways at a fixed rate, and
 //! the receiving side's accounting: loss (gaps in the peer's numbering), duplicates,
 //! reordering, and the largest gap between consecutive deliveries (the blackout).
+//!
+//! A run may carry several connections (one flow each: a sender and a receiver thread, its
+//! own numbering and accounting); the report sums the flows and keeps the largest gap, so
+//! one process can stand for an application with many connections.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -46,7 +50,9 @@ pub struct TrafficConfig {
     pub side: Side,
     /// Connection kind.
     pub mode: Mode,
-    /// Messages per second sent.
+    /// Connections (flows) of this process.
+    pub connections: u32,
+    /// Messages per second sent on each connection.
     pub rate: u32,
     /// Bytes per message (at least [`MIN_SIZE`]).
     pub size: usize,
@@ -72,6 +78,9 @@ pub enum TrafficError {
     /// Stopped before any connection came.
     #[error("stopped before a connection was established")]
     NeverConnected,
+    /// Plain mode carries one connection per process.
+    #[error("plain mode supports one connection per process")]
+    PlainIsSingle,
     /// Writing the ready file failed.
     #[error("writing the ready file {path}")]
     ReadyFile {
@@ -185,7 +194,10 @@ pub struct Report {
     pub mode: Mode,
     /// The address served or connected to.
     pub address: String,
-    /// Messages per second.
+    /// Connections (flows) the report sums.
+    #[serde(default = "one")]
+    pub connections: u32,
+    /// Messages per second (per connection).
     pub rate: u32,
     /// Message size.
     pub size: usize,
@@ -228,9 +240,49 @@ pub struct Report {
     pub ended_unix_ms: u64,
 }
 
+fn one() -> u32 {
+    1
+}
+
+impl Report {
+    /// Sums the reports of several flows of one process: counts add up, the largest gap
+    /// wins, errors and link events are joined.
+    pub fn merge(mut flows: Vec<Report>) -> Option<Report> {
+        let mut total = flows.pop()?;
+        for r in flows {
+            total.connections += r.connections;
+            total.sent += r.sent;
+            total.send_failures += r.send_failures;
+            total.received += r.received;
+            total.lost += r.lost;
+            total.duplicated += r.duplicated;
+            total.reordered += r.reordered;
+            total.next_expected += r.next_expected;
+            if r.max_gap_ms > total.max_gap_ms {
+                total.max_gap_ms = r.max_gap_ms;
+                total.max_gap_start_unix_ms = r.max_gap_start_unix_ms;
+                total.max_gap_end_unix_ms = r.max_gap_end_unix_ms;
+                total.max_gap_end_time = r.max_gap_end_time;
+            }
+            total.last_delivery_unix_ms = total.last_delivery_unix_ms.max(r.last_delivery_unix_ms);
+            for e in r.errors {
+                if !total.errors.contains(&e) {
+                    total.errors.push(e);
+                }
+            }
+            total.link_events.extend(r.link_events);
+            total.connections_established += r.connections_established;
+            total.replayed += r.replayed;
+            total.started_unix_ms = total.started_unix_ms.min(r.started_unix_ms);
+            total.ended_unix_ms = total.ended_unix_ms.max(r.ended_unix_ms);
+        }
+        Some(total)
+    }
+}
+
 enum Endpoint {
     /// The connection, and the listener it came from (kept alive to route RESUMEs).
-    Migratable(Connection, #[allow(dead_code)] Option<Listener>),
+    Migratable(Connection, #[allow(dead_code)] Option<Arc<Listener>>),
     Plain(PlainEndpoint),
 }
 
@@ -305,16 +357,22 @@ impl Errors {
     }
 }
 
-fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Endpoint, TrafficError> {
+fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Vec<Endpoint>, TrafficError> {
+    let n = cfg.connections.max(1) as usize;
     match (cfg.mode, cfg.side) {
-        (Mode::Migratable, Side::Connect(peer)) => Connection::connect(peer, &cfg.conn)
-            .map(|c| Endpoint::Migratable(c, None))
-            .map_err(TrafficError::Connect),
+        (Mode::Migratable, Side::Connect(peer)) => (0..n)
+            .map(|_| {
+                Connection::connect(peer, &cfg.conn)
+                    .map(|c| Endpoint::Migratable(c, None))
+                    .map_err(TrafficError::Connect)
+            })
+            .collect(),
         (Mode::Migratable, Side::Serve(addr)) => {
-            let l = Listener::bind(addr, &cfg.conn).map_err(TrafficError::Connect)?;
-            loop {
+            let l = Arc::new(Listener::bind(addr, &cfg.conn).map_err(TrafficError::Connect)?);
+            let mut eps = Vec::with_capacity(n);
+            while eps.len() < n {
                 match l.accept(Duration::from_millis(200)) {
-                    Ok(c) => return Ok(Endpoint::Migratable(c, Some(l))),
+                    Ok(c) => eps.push(Endpoint::Migratable(c, Some(l.clone()))),
                     Err(ConnError::AcceptTimedOut { .. }) if !stop.load(Ordering::Relaxed) => {}
                     Err(ConnError::AcceptTimedOut { .. }) => {
                         return Err(TrafficError::NeverConnected)
@@ -322,7 +380,9 @@ fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Endpoint, Traffic
                     Err(e) => return Err(TrafficError::Connect(e)),
                 }
             }
+            Ok(eps)
         }
+        (Mode::Plain, _) if n > 1 => Err(TrafficError::PlainIsSingle),
         (Mode::Plain, side) => {
             let p = match side {
                 Side::Connect(peer) => PlainEndpoint::connect(peer, cfg.size.max(MIN_SIZE)),
@@ -335,41 +395,50 @@ fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Endpoint, Traffic
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Ok(Endpoint::Plain(p))
+            Ok(vec![Endpoint::Plain(p)])
         }
     }
 }
 
-/// Runs traffic until `stop` is set (or the configured duration passes); returns the report.
-pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficError> {
-    let started_unix_ms = unix_ms();
-    let ep = Arc::new(establish(cfg, stop)?);
-    if let Some(path) = &cfg.ready_file {
-        std::fs::write(path, format!("{}\n", unix_ms())).map_err(|source| {
-            TrafficError::ReadyFile {
-                path: path.clone(),
-                source,
-            }
-        })?;
-    }
-    let errors = Arc::new(Errors::default());
-    let stop_send = Arc::new(AtomicBool::new(false));
-    let stop_recv = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicU64::new(0));
-    let send_failures = Arc::new(AtomicU64::new(0));
-    let tracker = Arc::new(Mutex::new(Tracker::default()));
+/// Flows flushed or closed at the same time at the end of a run.
+const SHUTDOWN_PARALLEL: usize = 16;
 
-    let sender = {
+/// One connection's traffic: a sender and a receiver thread and their accounting.
+struct Flow {
+    ep: Arc<Endpoint>,
+    errors: Arc<Errors>,
+    stop_send: Arc<AtomicBool>,
+    stop_recv: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    send_failures: Arc<AtomicU64>,
+    tracker: Arc<Mutex<Tracker>>,
+    sender: Option<std::thread::JoinHandle<()>>,
+    receiver: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Flow {
+    fn start(ep: Endpoint, cfg: &TrafficConfig) -> Flow {
+        let mut flow = Flow {
+            ep: Arc::new(ep),
+            errors: Arc::new(Errors::default()),
+            stop_send: Arc::new(AtomicBool::new(false)),
+            stop_recv: Arc::new(AtomicBool::new(false)),
+            sent: Arc::new(AtomicU64::new(0)),
+            send_failures: Arc::new(AtomicU64::new(0)),
+            tracker: Arc::new(Mutex::new(Tracker::default())),
+            sender: None,
+            receiver: None,
+        };
         let (ep, errors, stop_send, sent, fails) = (
-            ep.clone(),
-            errors.clone(),
-            stop_send.clone(),
-            sent.clone(),
-            send_failures.clone(),
+            flow.ep.clone(),
+            flow.errors.clone(),
+            flow.stop_send.clone(),
+            flow.sent.clone(),
+            flow.send_failures.clone(),
         );
         let interval = Duration::from_secs_f64(1.0 / cfg.rate.max(1) as f64);
         let size = cfg.size;
-        std::thread::spawn(move || {
+        flow.sender = Some(std::thread::spawn(move || {
             let start = Instant::now();
             let mut n: u64 = 0;
             while !stop_send.load(Ordering::Relaxed) {
@@ -390,16 +459,14 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
                     }
                 }
             }
-        })
-    };
-    let receiver = {
+        }));
         let (ep, errors, stop_recv, tracker) = (
-            ep.clone(),
-            errors.clone(),
-            stop_recv.clone(),
-            tracker.clone(),
+            flow.ep.clone(),
+            flow.errors.clone(),
+            flow.stop_recv.clone(),
+            flow.tracker.clone(),
         );
-        std::thread::spawn(move || {
+        flow.receiver = Some(std::thread::spawn(move || {
             while !stop_recv.load(Ordering::Relaxed) {
                 match ep.recv(Duration::from_millis(100)) {
                     Ok(Some(m)) => match decode_message(&m) {
@@ -422,73 +489,130 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
                     }
                 }
             }
-        })
-    };
+        }));
+        flow
+    }
 
+    /// Stops sending and waits (bounded) for the peer to acknowledge what was sent.
+    fn stop_sending(&mut self) {
+        self.stop_send.store(true, Ordering::Relaxed);
+        if let Some(h) = self.sender.take() {
+            let _ = h.join();
+        }
+    }
+
+    fn flush(&self) {
+        if let Endpoint::Migratable(c, _) = &*self.ep {
+            if !c.flush(Duration::from_secs(3)) {
+                self.errors
+                    .add("flush: messages still unacknowledged after 3 s".into());
+            }
+        }
+    }
+
+    fn stop_receiving(&mut self) {
+        self.stop_recv.store(true, Ordering::Relaxed);
+        if let Some(h) = self.receiver.take() {
+            let _ = h.join();
+        }
+    }
+
+    fn close(&self) {
+        if let Endpoint::Migratable(c, _) = &*self.ep {
+            if let Err(e) = c.close() {
+                self.errors
+                    .add(format!("close: {}", crate::conn::error_chain(&e)));
+            }
+        }
+    }
+
+    fn finish(self, cfg: &TrafficConfig, started_unix_ms: u64) -> Report {
+        let errors = &self.errors;
+        let (established, link_events, replayed) = match &*self.ep {
+            Endpoint::Migratable(c, _) => {
+                let s = c.stats();
+                (s.established, s.link_events, s.replayed)
+            }
+            Endpoint::Plain(p) => {
+                let s = p.stats();
+                for e in s.errors {
+                    errors.add(format!("connection: {e}"));
+                }
+                (s.established, Vec::new(), 0)
+            }
+        };
+        let t = self.tracker.lock().unwrap_or_else(|p| p.into_inner());
+        let (gap, gap_start, gap_end) = t.max_gap.unwrap_or((Duration::ZERO, 0, 0));
+        let (role, address) = match cfg.side {
+            Side::Serve(a) => ("serve", a),
+            Side::Connect(a) => ("connect", a),
+        };
+        Report {
+            role: role.into(),
+            mode: cfg.mode,
+            address: address.to_string(),
+            connections: 1,
+            rate: cfg.rate,
+            size: cfg.size,
+            sent: self.sent.load(Ordering::Relaxed),
+            send_failures: self.send_failures.load(Ordering::Relaxed),
+            received: t.received,
+            lost: t.lost(),
+            duplicated: t.duplicated,
+            reordered: t.reordered,
+            next_expected: t.next,
+            max_gap_ms: gap.as_secs_f64() * 1000.0,
+            max_gap_start_unix_ms: gap_start,
+            max_gap_end_unix_ms: gap_end,
+            max_gap_end_time: time_of_day(gap_end),
+            last_delivery_unix_ms: t.last.map_or(0, |(_, ms)| ms),
+            errors: errors.list(),
+            link_events,
+            connections_established: established,
+            replayed,
+            started_unix_ms,
+            ended_unix_ms: unix_ms(),
+        }
+    }
+}
+
+/// Runs traffic until `stop` is set (or the configured duration passes); returns the report
+/// (summed over the connections).
+pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficError> {
+    let started_unix_ms = unix_ms();
+    let endpoints = establish(cfg, stop)?;
+    if let Some(path) = &cfg.ready_file {
+        std::fs::write(path, format!("{}\n", unix_ms())).map_err(|source| {
+            TrafficError::ReadyFile {
+                path: path.clone(),
+                source,
+            }
+        })?;
+    }
+    let mut flows: Vec<Flow> = endpoints
+        .into_iter()
+        .map(|ep| Flow::start(ep, cfg))
+        .collect();
     let begin = Instant::now();
     while !stop.load(Ordering::Relaxed) && cfg.duration.is_none_or(|d| begin.elapsed() < d) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    stop_send.store(true, Ordering::Relaxed);
-    let _ = sender.join();
-    if let Endpoint::Migratable(c, _) = &*ep {
-        if !c.flush(Duration::from_secs(3)) {
-            errors.add("flush: messages still unacknowledged after 3 s".into());
-        }
+    // Flushes and closes run on all flows at once (bounded), so that shutting down many
+    // connections takes about as long as one.
+    for f in &mut flows {
+        f.stop_sending();
     }
+    crate::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::flush);
     std::thread::sleep(cfg.linger);
-    stop_recv.store(true, Ordering::Relaxed);
-    let _ = receiver.join();
-
-    let (established, link_events, replayed) = match &*ep {
-        Endpoint::Migratable(c, _) => {
-            let s = c.stats();
-            (s.established, s.link_events, s.replayed)
-        }
-        Endpoint::Plain(p) => {
-            let s = p.stats();
-            for e in s.errors {
-                errors.add(format!("connection: {e}"));
-            }
-            (s.established, Vec::new(), 0)
-        }
-    };
-    if let Endpoint::Migratable(c, _) = &*ep {
-        if let Err(e) = c.close() {
-            errors.add(format!("close: {}", crate::conn::error_chain(&e)));
-        }
+    for f in &mut flows {
+        f.stop_receiving();
     }
-    let t = tracker.lock().unwrap_or_else(|p| p.into_inner());
-    let (gap, gap_start, gap_end) = t.max_gap.unwrap_or((Duration::ZERO, 0, 0));
-    let (role, address) = match cfg.side {
-        Side::Serve(a) => ("serve", a),
-        Side::Connect(a) => ("connect", a),
-    };
-    Ok(Report {
-        role: role.into(),
-        mode: cfg.mode,
-        address: address.to_string(),
-        rate: cfg.rate,
-        size: cfg.size,
-        sent: sent.load(Ordering::Relaxed),
-        send_failures: send_failures.load(Ordering::Relaxed),
-        received: t.received,
-        lost: t.lost(),
-        duplicated: t.duplicated,
-        reordered: t.reordered,
-        next_expected: t.next,
-        max_gap_ms: gap.as_secs_f64() * 1000.0,
-        max_gap_start_unix_ms: gap_start,
-        max_gap_end_unix_ms: gap_end,
-        max_gap_end_time: time_of_day(gap_end),
-        last_delivery_unix_ms: t.last.map_or(0, |(_, ms)| ms),
-        errors: errors.list(),
-        link_events,
-        connections_established: established,
-        replayed,
-        started_unix_ms,
-        ended_unix_ms: unix_ms(),
-    })
+    crate::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::close);
+    let reports = flows
+        .into_iter()
+        .map(|f| f.finish(cfg, started_unix_ms))
+        .collect();
+    Ok(Report::merge(reports).expect("establish returns at least one endpoint"))
 }
 
 #[cfg(test)]

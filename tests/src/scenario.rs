@@ -56,8 +56,12 @@ impl Strategy {
 pub struct ScenarioConfig {
     /// How the VM is moved.
     pub strategy: Strategy,
-    /// Messages per second each side sends.
+    /// Messages per second each side sends on each connection.
     pub rate: u32,
+    /// Traffic processes on each side (process `i` serves on port 7471 + i).
+    pub processes: u32,
+    /// Connections of each process.
+    pub connections: u32,
     /// Traffic time before the move.
     pub before: Duration,
     /// Traffic time after the move.
@@ -70,6 +74,8 @@ impl ScenarioConfig {
         Self {
             strategy,
             rate: 200,
+            processes: 1,
+            connections: 1,
             before: Duration::from_secs(3),
             after: Duration::from_secs(4),
         }
@@ -227,16 +233,23 @@ pub fn run(
     let dst = bed.start_incoming(dst_spec).map_err(Box::new)?;
 
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;
-    let server = format!("{}:{TRAFFIC_PORT}", peer_spec.address());
-    let common = format!(
-        "--mode {} --rate {} --report /run/traffic.json --ready-file /run/traffic.ready",
-        config.strategy.traffic_mode(),
-        config.rate
-    );
-    start_traffic(&peer, &format!("serve --listen {server} {common}"))?;
-    start_traffic(&src, &format!("connect --to {server} {common}"))?;
-    wait_ready(&peer)?;
-    wait_ready(&src)?;
+    let processes = config.processes.max(1);
+    for i in 0..processes {
+        let server = format!("{}:{}", peer_spec.address(), TRAFFIC_PORT + i as u16);
+        let common = format!(
+            "--mode {} --rate {} --connections {} --report /run/traffic{i}.json \
+             --ready-file /run/traffic{i}.ready",
+            config.strategy.traffic_mode(),
+            config.rate,
+            config.connections
+        );
+        start_traffic(&peer, i, &format!("serve --listen {server} {common}"))?;
+        start_traffic(&src, i, &format!("connect --to {server} {common}"))?;
+    }
+    for i in 0..processes {
+        wait_ready(&peer, i)?;
+        wait_ready(&src, i)?;
+    }
     std::thread::sleep(config.before);
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));
@@ -277,10 +290,12 @@ pub fn run(
     std::thread::sleep(config.after);
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
-    signal_traffic(&dst)?;
-    signal_traffic(&peer)?;
-    let mover = collect_report(&dst)?;
-    let peer_report = collect_report(&peer)?;
+    for i in 0..processes {
+        signal_traffic(&dst, i)?;
+        signal_traffic(&peer, i)?;
+    }
+    let mover = collect_reports(&dst, processes)?;
+    let peer_report = collect_reports(&peer, processes)?;
     let move_report = std::fs::read(&report_path)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
@@ -315,13 +330,13 @@ fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
     Ok(guest_ms as i64 - ((before + after) / 2) as i64)
 }
 
-fn start_traffic(guest: &Guest, args: &str) -> Result<(), ScenarioError> {
+fn start_traffic(guest: &Guest, i: u32, args: &str) -> Result<(), ScenarioError> {
     guest
         .run_ok(
             &format!(
-                "rm -f /run/traffic.json /run/traffic.ready; \
-                 rdmamig-traffic {args} >/run/traffic.out 2>/run/traffic.err & \
-                 echo $! >/run/traffic.pid"
+                "rm -f /run/traffic{i}.json /run/traffic{i}.ready; \
+                 rdmamig-traffic {args} >/run/traffic{i}.out 2>/run/traffic{i}.err & \
+                 echo $! >/run/traffic{i}.pid"
             ),
             COMMAND_TIMEOUT,
         )
@@ -333,12 +348,14 @@ fn start_traffic(guest: &Guest, args: &str) -> Result<(), ScenarioError> {
         })
 }
 
-fn wait_ready(guest: &Guest) -> Result<(), ScenarioError> {
+fn wait_ready(guest: &Guest, i: u32) -> Result<(), ScenarioError> {
     guest
         .run_ok(
-            "i=0; while [ ! -e /run/traffic.ready ]; do \
-               kill -0 $(cat /run/traffic.pid) 2>/dev/null || { cat /run/traffic.err; exit 1; }; \
-               i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done",
+            &format!(
+                "i=0; while [ ! -e /run/traffic{i}.ready ]; do \
+                 kill -0 $(cat /run/traffic{i}.pid) 2>/dev/null || {{ cat /run/traffic{i}.err; exit 1; }}; \
+                 i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done"
+            ),
             COMMAND_TIMEOUT,
         )
         .map(drop)
@@ -349,9 +366,12 @@ fn wait_ready(guest: &Guest) -> Result<(), ScenarioError> {
         })
 }
 
-fn signal_traffic(guest: &Guest) -> Result<(), ScenarioError> {
+fn signal_traffic(guest: &Guest, i: u32) -> Result<(), ScenarioError> {
     guest
-        .run_ok("kill -INT $(cat /run/traffic.pid)", COMMAND_TIMEOUT)
+        .run_ok(
+            &format!("kill -INT $(cat /run/traffic{i}.pid)"),
+            COMMAND_TIMEOUT,
+        )
         .map(drop)
         .map_err(|source| ScenarioError::Guest {
             guest: guest.name().into(),
@@ -360,12 +380,25 @@ fn signal_traffic(guest: &Guest) -> Result<(), ScenarioError> {
         })
 }
 
-fn collect_report(guest: &Guest) -> Result<TrafficReport, ScenarioError> {
+/// Collects the reports of the `processes` traffic processes of `guest`, summed.
+fn collect_reports(guest: &Guest, processes: u32) -> Result<TrafficReport, ScenarioError> {
+    let reports = (0..processes)
+        .map(|i| collect_report(guest, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    TrafficReport::merge(reports).ok_or_else(|| ScenarioError::Report {
+        guest: guest.name().into(),
+        reason: "no traffic process".into(),
+    })
+}
+
+fn collect_report(guest: &Guest, i: u32) -> Result<TrafficReport, ScenarioError> {
     let json = guest
         .run_ok(
-            "i=0; while [ ! -s /run/traffic.json ]; do \
-               i=$((i+1)); [ $i -gt 600 ] && { cat /run/traffic.err; exit 1; }; sleep 0.05; done; \
-             cat /run/traffic.json",
+            &format!(
+                "i=0; while [ ! -s /run/traffic{i}.json ]; do \
+                 i=$((i+1)); [ $i -gt 600 ] && {{ cat /run/traffic{i}.err; exit 1; }}; sleep 0.05; done; \
+                 cat /run/traffic{i}.json"
+            ),
             COMMAND_TIMEOUT,
         )
         .map_err(|source| ScenarioError::Guest {

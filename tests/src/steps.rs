@@ -67,10 +67,22 @@ pub fn collect_report(guest: &Guest, tag: &str) -> StepResult<Report> {
     Ok(serde_json::from_str(&out[start..])?)
 }
 
-/// Prints the tail of every traffic log in `guest` (for a failing test).
+/// Prints the tail of every traffic log in `guest`, and where each thread of every traffic
+/// process waits in the kernel (for a failing test: a hung unplug is a thread stuck on the
+/// device).
 pub fn dump_logs(guest: &Guest) {
     if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", STEP_TIMEOUT) {
         eprintln!("---- guest {} traffic logs:\n{}", guest.name(), out.output);
+    }
+    let threads = "for p in $(pidof rdmamig-traffic); do for t in /proc/$p/task/*; do \
+                   echo \"$t $(cat $t/comm) wchan=$(cat $t/wchan)\"; cat $t/stack 2>/dev/null | head -8; \
+                   done; done";
+    if let Ok(out) = guest.run(threads, STEP_TIMEOUT) {
+        eprintln!(
+            "---- guest {} traffic threads:\n{}",
+            guest.name(),
+            out.output
+        );
     }
 }
 

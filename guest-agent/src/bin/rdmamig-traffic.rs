@@ -93,7 +93,11 @@ struct Common {
     /// connection that reconnects on its own and loses what was in flight.
     #[arg(long, value_enum, default_value_t = Mode::Migratable)]
     mode: Mode,
-    /// Messages per second this side sends.
+    /// Connections this process opens (connect) or accepts (serve), each with its own
+    /// traffic (migratable mode only).
+    #[arg(long, default_value_t = 1)]
+    connections: u32,
+    /// Messages per second this side sends on each connection.
     #[arg(long, default_value_t = 100)]
     rate: u32,
     /// Bytes per message (at least 20).
@@ -179,6 +183,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
     let cfg = TrafficConfig {
         side,
         mode: c.mode,
+        connections: c.connections,
         rate: c.rate,
         size: c.size.max(traffic::MIN_SIZE),
         duration: c.duration.map(Duration::from_secs_f64),

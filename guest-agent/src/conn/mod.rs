@@ -68,6 +68,9 @@ pub struct ConnectOptions {
     pub rnr_retry: u8,
     /// Pause between reconnect attempts.
     pub reconnect_interval: Duration,
+    /// How long `close` waits for the outbox to be acknowledged and the disconnect to
+    /// complete before releasing everything anyway.
+    pub close_timeout: Duration,
     /// Register with the agent (see [`crate::registry`]).
     pub register: bool,
 }
@@ -85,6 +88,7 @@ impl Default for ConnectOptions {
             retry_count: 6,
             rnr_retry: 6,
             reconnect_interval: Duration::from_millis(150),
+            close_timeout: Duration::from_secs(5),
             register: true,
         }
     }
@@ -336,16 +340,27 @@ impl ConnShared {
     ) -> Result<(), String> {
         let (tx, rx) = mpsc::channel();
         if self.command(make(tx)).is_err() {
-            let st = self.lock();
-            return match st.conn_state {
-                ConnectionState::Closed => Ok(()),
-                s => Err(format!("connection worker has stopped ({s:?})")),
-            };
+            return self.stopped();
         }
         // The worker answers by the deadline itself; the margin covers one blocking step.
         let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
-        rx.recv_timeout(wait)
-            .map_err(|_| "the connection did not answer in time".to_string())?
+        match rx.recv_timeout(wait) {
+            Ok(answer) => answer,
+            // The worker ended (closed or failed) before it took the command: the command
+            // was dropped with its queue.
+            Err(mpsc::RecvTimeoutError::Disconnected) => self.stopped(),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err("the connection did not answer in time".to_string())
+            }
+        }
+    }
+
+    /// The answer to a request the worker can no longer take: done if it closed.
+    fn stopped(&self) -> Result<(), String> {
+        match self.lock().conn_state {
+            ConnectionState::Closed => Ok(()),
+            s => Err(format!("connection worker has stopped ({s:?})")),
+        }
     }
 
     fn info(&self) -> ConnectionInfo {
@@ -589,8 +604,8 @@ impl Connection {
         })
     }
 
-    /// Closes the connection: waits (up to 2 s) for the outbox to be acknowledged, tells the
-    /// peer, disconnects and releases everything. A second close is an
+    /// Closes the connection: waits (up to `close_timeout`) for the outbox to be
+    /// acknowledged, tells the peer, disconnects and releases everything. A second close is an
     /// [`ConnError::InvalidState`], as are `send` and `recv` after it.
     pub fn close(&self) -> Result<(), ConnError> {
         let mut st = self.shared.lock();
@@ -603,7 +618,7 @@ impl Connection {
         }
         st.closed_by_app = true;
         drop(st);
-        let deadline = Instant::now() + Duration::from_secs(2);
+        let deadline = Instant::now() + self.shared.opts.close_timeout;
         self.shared
             .request(|reply| Command::Close { deadline, reply }, deadline)
             .map_err(|reason| ConnError::Control {

@@ -31,6 +31,8 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
 const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
 /// How long to wait for DISCONNECTED after rdma_disconnect.
 const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
+/// The worker's poll timeout, in ms: the granularity of its deadlines.
+const TICK_MS: u16 = 100;
 /// How often the device list is refreshed while the connection holds no device.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -348,8 +350,10 @@ impl Worker {
 
     fn run(&mut self) {
         while !self.done {
-            let timeout = if self.link.is_some() { 20 } else { 100 };
-            self.wait(timeout);
+            // Everything that needs prompt action wakes the poll (the application's eventfd,
+            // the CM channel, the completion channel); the timeout only drives the coarse
+            // deadlines (100 ms granularity, all of them at least 500 ms long).
+            self.wait(TICK_MS);
             let _ = self.sh.wake.read();
             self.handle_commands();
             if self.done {

@@ -1,0 +1,74 @@
+//! Many connections: 4 traffic processes in the moving VM, 16 migratable connections each
+//! (64 in all, each with traffic both ways), and the VM moves with `rdmamig migrate`
+//! (strategy `reconnect`). The agent quiesces and resumes the processes, and each process
+//! its connections, with bounded concurrency; the move must report an ok outcome for every
+//! one of the 64 connections, and nothing may be lost, duplicated or reordered on any of
+//! them, with no error on either side.
+//!
+//! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
+
+use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, Strategy};
+use rdmamig_testbed::{error_chain, Testbed};
+
+const PROCESSES: u32 = 4;
+const CONNECTIONS: u32 = 16;
+
+#[test]
+fn sixty_four_connections_in_four_processes_move_with_nothing_lost() {
+    let bed = Testbed::new("many").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let config = ScenarioConfig {
+        processes: PROCESSES,
+        connections: CONNECTIONS,
+        // 2 messages/s per connection: 128 messages/s each way in all (the guests have one
+        // emulated CPU each, which 64 connections and 128 traffic threads keep busy).
+        rate: 2,
+        ..ScenarioConfig::new(Strategy::Reconnect)
+    };
+    let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    eprintln!("{}\n{}", o.move_output, scenario::render(&o));
+    assert!(o.move_succeeded, "the move failed:\n{}", o.move_output);
+    let report = o
+        .move_report
+        .as_ref()
+        .expect("the migrator wrote its report");
+    let n = (PROCESSES * CONNECTIONS) as usize;
+    for (what, outcomes) in [("quiesce", &report.quiesce), ("resume", &report.resume)] {
+        assert_eq!(
+            outcomes.len(),
+            n,
+            "{what}: one outcome per connection: {outcomes:?}"
+        );
+        assert!(
+            outcomes.iter().all(|c| c.ok),
+            "{what} outcomes: {outcomes:?}"
+        );
+    }
+    for (receiver, sender, name) in [
+        (&o.peer, &o.mover, "peer"),
+        (&o.mover, &o.peer, "moving VM"),
+    ] {
+        assert_eq!(
+            receiver.connections,
+            PROCESSES * CONNECTIONS,
+            "{name}: {receiver:?}"
+        );
+        assert_eq!(receiver.lost, 0, "{name} lost messages");
+        assert_eq!(receiver.duplicated, 0, "{name} got duplicates");
+        assert_eq!(receiver.reordered, 0, "{name} got messages out of order");
+        assert_eq!(
+            receiver.received, sender.sent,
+            "{name} did not receive everything"
+        );
+        assert!(
+            receiver.errors.is_empty(),
+            "{name} saw errors: {:?}",
+            receiver.errors
+        );
+    }
+    assert!(
+        o.mover.connections_established >= 2 * (PROCESSES * CONNECTIONS) as u64,
+        "every connection should have reconnected: {:?}",
+        o.mover
+    );
+}
