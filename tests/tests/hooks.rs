@@ -1,0 +1,257 @@
+//! End-to-end: the workflow entry points (`rdmamig-vmm`) drive a coordinated move on the test
+//! bed while RDMA traffic runs both ways.
+//!
+//! - Hooks: `rdmamig-vmm pre-migrate` on the source (quiesce, unplug), then the workflow's
+//!   own migration (here plain QMP `migrate-incoming` + `migrate`, as libvirt would issue),
+//!   then `rdmamig-vmm post-migrate` on the destination (plug, resume).
+//! - Wrapper: `rdmamig-vmm migrate <destination_url>` in place of
+//!   `ch-remote send-migration <destination_url>`, through the rdmamig daemon.
+//!
+//! Either way nothing may be lost, duplicated or reordered and neither side may see an
+//! error. Needs root, /dev/net/tun, qemu-system-x86_64 and the workspace's binaries
+//! (scripts/setup.sh builds them); fails (never skips) without them.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rdmamig_testbed::scenario::Daemon;
+use rdmamig_testbed::steps::{self, StepResult};
+use rdmamig_testbed::{bin_dir, error_chain, Guest, Testbed};
+use serde_json::{json, Value};
+
+const PORT: u16 = 7481;
+const RATE: u32 = 200;
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs `rdmamig-vmm <args>`; returns its exit code and the JSON line it printed.
+fn rdmamig_vmm(args: &[String]) -> StepResult<(i32, Value, String)> {
+    let program = bin_dir().join("rdmamig-vmm");
+    if !program.exists() {
+        return Err(format!(
+            "{} is missing: build the workspace's binaries (scripts/setup.sh)",
+            program.display()
+        )
+        .into());
+    }
+    let output = Command::new(&program).args(args).output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let report = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str::<Value>(line).ok())
+        .unwrap_or(Value::Null);
+    Ok((output.status.code().unwrap_or(-1), report, stdout + &stderr))
+}
+
+fn vmm_args(guest: &Guest) -> Vec<String> {
+    vec![
+        "--qmp".into(),
+        guest.qmp_socket().display().to_string(),
+        "--agent".into(),
+        guest.agent_socket().display().to_string(),
+    ]
+}
+
+fn nic(guest: &Guest) -> String {
+    format!(
+        "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+        guest.spec().mac
+    )
+}
+
+/// The workflow's own migration: what libvirt or an operator does between the hooks.
+fn workflow_migrates(src: &Guest, dst: &Guest) -> StepResult<Duration> {
+    let uri = format!("unix:{}", dst.migration_socket_path().display());
+    dst.qmp()?
+        .execute("migrate-incoming", json!({ "uri": uri }))?;
+    let mut qmp = src.qmp()?;
+    let started = Instant::now();
+    qmp.execute("migrate", json!({ "uri": uri }))?;
+    loop {
+        let status = qmp.execute("query-migrate", json!({}))?;
+        match status["status"].as_str() {
+            Some("completed") => return Ok(started.elapsed()),
+            Some("failed" | "cancelled") => return Err(format!("migration: {status}").into()),
+            _ if started.elapsed() > MIGRATION_TIMEOUT => {
+                return Err(format!("migration not done in {MIGRATION_TIMEOUT:?}: {status}").into())
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// Boots a peer and a source with traffic both ways and a destination, runs `move_vm`,
+/// then checks the traffic on the destination and the peer.
+fn run(
+    name: &str,
+    move_vm: impl FnOnce(&Testbed, &Guest, &Guest) -> StepResult<()>,
+) -> StepResult<()> {
+    let bed = Testbed::new(name)?;
+    let peer_spec = bed.guest_spec("peer")?;
+    let src_spec = bed.guest_spec("src")?;
+    let dst_spec = bed.incoming_spec(&src_spec, "dst")?;
+    let (peer, src) = std::thread::scope(|s| {
+        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
+        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
+        (peer.join().expect("boot"), src.join().expect("boot"))
+    });
+    let (peer, src) = (peer?, src?);
+    let dst = bed.start_incoming(dst_spec)?;
+    let result = (|| {
+        let server = format!("{}:{PORT}", peer_spec.address());
+        let mode = format!("--mode migratable --rate {RATE}");
+        steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
+        steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
+        steps::wait_ready(&peer, "h")?;
+        steps::wait_ready(&src, "h")?;
+        std::thread::sleep(Duration::from_secs(2));
+
+        move_vm(&bed, &src, &dst)?;
+        src.kill();
+        dst.reattach_console()?;
+        std::thread::sleep(Duration::from_secs(3));
+        steps::stop_traffic(&dst, "h")?;
+        steps::stop_traffic(&peer, "h")?;
+        let moved = steps::collect_report(&dst, "h")?;
+        let peer_report = steps::collect_report(&peer, "h")?;
+        eprintln!("peer received: {peer_report:?}\nmoved VM received: {moved:?}");
+        steps::assert_clean("peer", &peer_report, &moved);
+        steps::assert_clean("moved VM", &moved, &peer_report);
+        Ok(())
+    })();
+    if result.is_err() {
+        steps::dump_logs(&peer);
+        steps::dump_logs(&dst);
+    }
+    result
+}
+
+#[test]
+fn hooks_around_the_workflows_migration_keep_every_message() {
+    let outcome = run("hooks", |_, src, dst| {
+        let mut pre = vmm_args(src);
+        pre.extend(["pre-migrate".into(), "--detach".into(), "nic0".into()]);
+        let (code, report, output) = rdmamig_vmm(&pre)?;
+        eprintln!("pre-migrate: {output}");
+        assert_eq!(code, 0, "pre-migrate failed: {output}");
+        assert_eq!(report["ok"], true);
+        assert!(report["connections"].as_u64() >= Some(1), "{report}");
+        assert_eq!(report["quiesced"], report["connections"], "{report}");
+
+        let migration = workflow_migrates(src, dst)?;
+        eprintln!("workflow migration: {migration:?}");
+
+        let mut post = vmm_args(dst);
+        post.extend(["post-migrate".into(), "--attach".into(), nic(dst)]);
+        let (code, report, output) = rdmamig_vmm(&post)?;
+        eprintln!("post-migrate: {output}");
+        assert_eq!(code, 0, "post-migrate failed: {output}");
+        assert_eq!(report["resumed"], report["connections"], "{report}");
+        assert_eq!(report["bdf"], "0000:01:00.0", "{report}");
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{}", error_chain(&*e));
+    }
+}
+
+#[test]
+fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
+    let bed = Testbed::new("hookfail").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let outcome = (|| -> StepResult<()> {
+        let peer_spec = bed.guest_spec("peer")?;
+        let src = bed.start_guest(bed.guest_spec("src")?)?;
+        let peer = bed.start_guest(peer_spec.clone())?;
+        let server = format!("{}:{PORT}", peer_spec.address());
+        let mode = format!("--mode migratable --rate {RATE}");
+        steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
+        steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
+        steps::wait_ready(&peer, "h")?;
+        steps::wait_ready(&src, "h")?;
+        // A raw verbs user the agent does not know holds the NIC.
+        src.run_ok(
+            "ibv_rc_pingpong -g 1 >/dev/null 2>&1 & echo $! > /run/holder.pid; sleep 0.5",
+            steps::STEP_TIMEOUT,
+        )?;
+        let mut pre = vmm_args(&src);
+        pre.extend([
+            "pre-migrate".into(),
+            "--detach".into(),
+            "nic0".into(),
+            "--detach-ms".into(),
+            "2000".into(),
+        ]);
+        let (code, report, output) = rdmamig_vmm(&pre)?;
+        eprintln!("pre-migrate with a held NIC: {output}");
+        assert_eq!(code, 1, "{output}");
+        assert_eq!(report["ok"], false);
+        assert!(
+            report["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("did not release device nic0")),
+            "{report}"
+        );
+        assert_eq!(report["unplug_pending"], true, "{report}");
+        // Measured: the guest had begun removing the NIC (`unregister_netdevice: waiting
+        // for eth0`), so its port is down and the connections cannot resume on it; the
+        // hook says so instead of claiming the VM is as it was.
+        assert!(
+            report["resumed_on_source"]
+                .as_str()
+                .is_some_and(|e| e.contains("ACTIVE")),
+            "{report}"
+        );
+        // Once the holder exits, the pending unplug completes without a new request.
+        src.run_ok("kill $(cat /run/holder.pid)", steps::STEP_TIMEOUT)?;
+        src.run_ok(
+            "i=0; while [ -e /sys/class/net/eth0 ]; do i=$((i+1)); [ $i -gt 200 ] && exit 1; \
+             sleep 0.05; done",
+            steps::STEP_TIMEOUT,
+        )?;
+        Ok(())
+    })();
+    if let Err(e) = outcome {
+        panic!("{}", error_chain(&*e));
+    }
+}
+
+#[test]
+fn the_migrate_wrapper_moves_through_the_daemon() {
+    let outcome = run("wrapper", |bed, src, dst| {
+        let daemon = Daemon::start(bed.dir())?;
+        let report = bed.dir().join("wrapper-move.json");
+        let mut args = vmm_args(src);
+        args.extend([
+            "migrate".into(),
+            format!("unix:{}", dst.migration_socket_path().display()),
+            "--migration-timeout-s".into(),
+            "60".into(),
+            "--socket".into(),
+            daemon.socket().display().to_string(),
+            "--vm".into(),
+            "src".into(),
+            "--detach".into(),
+            "nic0".into(),
+            "--to-qmp".into(),
+            dst.qmp_socket().display().to_string(),
+            "--to-agent".into(),
+            dst.agent_socket().display().to_string(),
+            "--attach".into(),
+            nic(dst),
+            "--report".into(),
+            report.display().to_string(),
+            "--rdmamig".into(),
+            bin_dir().join("rdmamig").display().to_string(),
+        ]);
+        let (code, _, output) = rdmamig_vmm(&args)?;
+        eprintln!("rdmamig-vmm migrate:\n{output}");
+        assert_eq!(code, 0, "the wrapped move failed:\n{output}");
+        let report: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
+        assert_eq!(report["ok"], true, "{report}");
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{}", error_chain(&*e));
+    }
+}
