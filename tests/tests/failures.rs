@@ -41,9 +41,11 @@ fn wrong_token_is_refused_and_peer_death_is_reported_within_the_bound() {
 /// runs of step 2 (active side), 5 passed; once the worker never released its link after
 /// the unplug (no DEVICE_REMOVAL or completion error handled, `unregister_netdevice:
 /// waiting for eth0`, DEVICE_DELETED never came), once it released the link but never
-/// re-established it within 9 s. Of 3 runs of step 3 (passive side, coordinated), one got
-/// `rdma_bind_addr` failures on re-listen for the whole 8 s resume deadline; of 2 runs of
-/// step 4, one hung like step 2. These are open bugs; run this with `--ignored` while fixing
+/// re-established it within 9 s. Of 4 runs of step 3 (passive side, coordinated), two got
+/// `rdma_bind_addr` failures on re-listen for the whole 8 s resume deadline, with
+/// EADDRNOTAVAIL: the kernel found no netdev holding the address although the new NIC's
+/// Soft-RoCE port was ACTIVE (`rdmamig-netplug wait-active` passed), which points at the
+/// image's NIC hook rather than the library; of 2 runs of step 4, one hung like step 2. These are open bugs; run this with `--ignored` while fixing
 /// them (`steps::dump_logs` prints each traffic thread's kernel wait channel and stack).
 #[test]
 #[ignore = "recovery without quiesce is intermittent on the test bed (see the doc comment)"]
