@@ -17,6 +17,7 @@ use crate::machine::Phase;
 use crate::mover::{MoveEvent, MoveReport, VmLocation};
 use crate::plan::MovePlan;
 use crate::pool::{Attachment, FunctionState};
+use crate::svg::{timeline_svg, SvgError};
 use crate::timeline::PhaseOutcome;
 
 /// Why the CLI could not get a move done (as opposed to a move that ran and failed).
@@ -49,6 +50,9 @@ pub enum CliError {
         /// The request.
         request: &'static str,
     },
+    /// The timeline could not be drawn.
+    #[error(transparent)]
+    Svg(#[from] SvgError),
     /// The report file could not be written.
     #[error("cannot write the report to {path}")]
     WriteReport {
@@ -76,6 +80,7 @@ pub async fn migrate(
     plan: MovePlan,
     output: Output,
     report_path: Option<&Path>,
+    svg_path: Option<&Path>,
 ) -> Result<MoveReport, CliError> {
     let stream = UnixStream::connect(socket)
         .await
@@ -116,11 +121,29 @@ pub async fn migrate(
             source,
         })?;
     }
+    if let Some(path) = svg_path {
+        write_svg(&report, path)?;
+    }
     Ok(report)
 }
 
+/// Draws the report's timeline to an SVG file.
+pub fn write_svg(report: &MoveReport, path: &Path) -> Result<(), CliError> {
+    let svg = timeline_svg(report)?;
+    std::fs::write(path, svg).map_err(|source| CliError::WriteReport {
+        path: path.into(),
+        source,
+    })
+}
+
 /// Sends a one-answer request (status, history, report) and prints the answer.
-pub async fn query(socket: &Path, request: ClientRequest, output: Output) -> Result<(), CliError> {
+/// `svg_path`: where to draw the timeline when the answer is a report.
+pub async fn query(
+    socket: &Path,
+    request: ClientRequest,
+    output: Output,
+    svg_path: Option<&Path>,
+) -> Result<(), CliError> {
     let stream = UnixStream::connect(socket)
         .await
         .map_err(|source| CliError::Connect {
@@ -134,6 +157,9 @@ pub async fn query(socket: &Path, request: ClientRequest, output: Output) -> Res
         Some(answer) => answer,
         None => return Err(CliError::NoReport),
     };
+    if let (Some(path), DaemonMessage::Report { report }) = (svg_path, &answer) {
+        write_svg(report, path)?;
+    }
     match output {
         Output::Json => match &answer {
             DaemonMessage::Report { report } => println!("{}", to_json(report)),

@@ -31,6 +31,7 @@ use tokio::task::JoinSet;
 use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage, MoveSummary, RunningMove};
 use crate::journal::{self, Journal, JournalError};
 use crate::machine::Phase;
+use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
 use crate::plan::MovePlan;
 use crate::timeline::unix_ms;
@@ -49,6 +50,8 @@ pub struct DaemonConfig {
     pub max_moves: usize,
     /// How moves reach VMMs and agents, and the boundary hook.
     pub context: MoveContext,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// Why the daemon could not run.
@@ -81,6 +84,15 @@ pub enum DaemonError {
     /// Signal handlers could not be installed.
     #[error("cannot install the signal handlers")]
     Signals(#[source] std::io::Error),
+    /// The metrics address could not be bound.
+    #[error("cannot serve metrics on {address}")]
+    Metrics {
+        /// The address.
+        address: std::net::SocketAddr,
+        /// What bind said.
+        #[source]
+        source: std::io::Error,
+    },
     /// The journals of unfinished moves could not be read.
     #[error("cannot read the journals of unfinished moves")]
     Journals(#[source] JournalError),
@@ -92,6 +104,7 @@ struct Shared {
     /// Running moves by id.
     running: Mutex<HashMap<String, RunningMove>>,
     next_id: AtomicU64,
+    metrics: Mutex<Metrics>,
 }
 
 impl Shared {
@@ -152,10 +165,20 @@ impl Shared {
     /// Stores the report and forgets the running move.
     fn finish(&self, report: &MoveReport) {
         lock(&self.running).remove(&report.id);
+        lock(&self.metrics).record(report);
         let path = self.moves_dir().join(format!("{}.json", report.id));
         let text = serde_json::to_string_pretty(report).unwrap_or_default() + "\n";
         if let Err(e) = journal::write_durably(&path, text.as_bytes()) {
             tracing::error!(path = %path.display(), "cannot store the move report: {e}");
+        }
+        let svg = path.with_extension("svg");
+        match crate::svg::timeline_svg(report) {
+            Ok(picture) => {
+                if let Err(e) = journal::write_durably(&svg, picture.as_bytes()) {
+                    tracing::error!(path = %svg.display(), "cannot store the timeline: {e}");
+                }
+            }
+            Err(e) => tracing::error!("{e}"),
         }
         match &report.error {
             None => tracing::info!(
@@ -202,7 +225,16 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         config,
         running: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
+        metrics: Mutex::new(Metrics::default()),
     });
+    if let Some(address) = shared.config.metrics {
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|source| DaemonError::Metrics { address, source })?;
+        tracing::info!(%address, "serving Prometheus metrics");
+        let shared = shared.clone();
+        tokio::spawn(serve_metrics(listener, shared));
+    }
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut clients = JoinSet::new();
@@ -490,5 +522,30 @@ async fn forward(channel: &mut Channel<UnixStream>, message: &DaemonMessage) -> 
             tracing::info!("client gone ({}); the move goes on", error_chain(&e));
             false
         }
+    }
+}
+
+/// Answers every HTTP request on `listener` with the metrics (Prometheus scrapes `GET
+/// /metrics`; the path is not checked). A bounded read per connection, one response, close.
+async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let body = {
+            let running = lock(&shared.running).len();
+            lock(&shared.metrics).render(running)
+        };
+        tokio::spawn(async move {
+            let mut request = [0u8; 2048];
+            let _ = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut request)).await;
+            let response = format!(
+                "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
     }
 }

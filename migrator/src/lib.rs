@@ -16,7 +16,9 @@
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
-//! - [`cli`]: how the CLI shows progress and the final timeline.
+//! - [`metrics`]: the daemon's Prometheus metrics;
+//! - [`cli`]: how the CLI shows progress and the final timeline;
+//! - [`svg`]: the per-move SVG timeline.
 
 pub mod agent;
 pub mod api;
@@ -26,9 +28,11 @@ pub mod daemon;
 mod fakes;
 pub mod journal;
 pub mod machine;
+pub mod metrics;
 pub mod mover;
 pub mod plan;
 pub mod pool;
+pub mod svg;
 pub mod timeline;
 pub mod vfio;
 pub mod vfio_migrate;

@@ -65,6 +65,9 @@ enum Command {
         /// Without it the pool is empty.
         #[arg(long, env = "RDMAMIG_CONFIG")]
         config: Option<PathBuf>,
+        /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9477).
+        #[arg(long)]
+        metrics: Option<std::net::SocketAddr>,
         /// How many moves (of different VMs) may run at once.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
         max_moves: u16,
@@ -103,6 +106,9 @@ enum Command {
     Report {
         /// The move's id.
         id: String,
+        /// Also draw its timeline as SVG here.
+        #[arg(long)]
+        svg: Option<PathBuf>,
         /// The daemon's socket.
         #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
@@ -178,6 +184,9 @@ struct MigrateArgs {
     /// Write the JSON report (timeline, migration figures, per-connection outcomes) here.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Draw the timeline as SVG here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// Print events and the report as JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -205,6 +214,7 @@ fn main() -> ExitCode {
             socket,
             state_dir,
             config,
+            metrics,
             max_moves,
         } => {
             let pool = match open_pool(config.as_deref(), &state_dir) {
@@ -228,6 +238,7 @@ fn main() -> ExitCode {
                 socket,
                 state_dir,
                 max_moves: usize::from(max_moves),
+                metrics,
                 context: MoveContext {
                     backends: Arc::new(QemuBackends),
                     pool: Arc::new(pool),
@@ -244,10 +255,10 @@ fn main() -> ExitCode {
         }
         Command::Migrate(args) => migrate(&runtime, *args),
         Command::Pool { socket, json } => {
-            query(&runtime, &socket, ClientRequest::Pool, output(json))
+            query(&runtime, &socket, ClientRequest::Pool, output(json), None)
         }
         Command::Status { socket, json } => {
-            query(&runtime, &socket, ClientRequest::Status, output(json))
+            query(&runtime, &socket, ClientRequest::Status, output(json), None)
         }
         Command::History {
             socket,
@@ -258,12 +269,19 @@ fn main() -> ExitCode {
             &socket,
             ClientRequest::History { limit },
             output(json),
+            None,
         ),
-        Command::Report { id, socket, json } => query(
+        Command::Report {
+            id,
+            svg,
+            socket,
+            json,
+        } => query(
             &runtime,
             &socket,
             ClientRequest::Report { id },
             output(json),
+            svg.as_deref(),
         ),
     }
 }
@@ -308,8 +326,9 @@ fn query(
     socket: &std::path::Path,
     request: ClientRequest,
     output: Output,
+    svg: Option<&std::path::Path>,
 ) -> ExitCode {
-    match runtime.block_on(cli::query(socket, request, output)) {
+    match runtime.block_on(cli::query(socket, request, output, svg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("rdmamig: {}", error_chain(&e));
@@ -358,6 +377,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         plan,
         output,
         args.report.as_deref(),
+        args.svg.as_deref(),
     )) {
         Ok(report) if report.ok => ExitCode::SUCCESS,
         Ok(report) => {

@@ -112,6 +112,25 @@ struct Bed {
     destination: Vm,
 }
 
+/// A metrics port for the daemon in `dir`, distinct between the tests of one run.
+fn metrics_port(dir: &Path) -> u16 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    dir.hash(&mut hasher);
+    std::process::id().hash(&mut hasher);
+    20_000 + u16::try_from(hasher.finish() % 20_000).unwrap()
+}
+
+/// GET /metrics from the daemon in `dir`.
+fn scrape(dir: &Path) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", metrics_port(dir))).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
+}
+
 /// Starts `rdmamig daemon` with its socket and state in `dir`, appending to `dir/daemon.log`;
 /// `crash_at` makes it abort once it has journaled that phase.
 fn start_daemon(dir: &Path, crash_at: Option<&str>) -> Process {
@@ -136,6 +155,9 @@ fn start_daemon(dir: &Path, crash_at: Option<&str>) -> Process {
     if let Some(phase) = crash_at {
         command.env("RDMAMIG_CRASH_AT", phase);
     }
+    command
+        .arg("--metrics")
+        .arg(format!("127.0.0.1:{}", metrics_port(dir)));
     let config = dir.join("rdmamig.toml");
     if config.exists() {
         command.arg("--config").arg(config);
@@ -334,7 +356,18 @@ fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
         "-device",
         "virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,romfile=",
     ]);
-    let out = bed.migrate("nic0", &["--strategy", "naive", "--deadline", "detach=500"]);
+    let svg = bed.dir.path().join("move.svg");
+    let out = bed.migrate(
+        "nic0",
+        &[
+            "--strategy",
+            "naive",
+            "--deadline",
+            "detach=500",
+            "--svg",
+            svg.to_str().unwrap(),
+        ],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     // Rolled back: the VM keeps running on the source with its device.
     assert_eq!(out.status.code(), Some(4));
@@ -372,6 +405,22 @@ fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
     let id = history[0]["id"].as_str().unwrap();
     assert_eq!(bed.query(&["report", id])["final_phase"], "rolled_back");
     assert_eq!(bed.query(&["status"])["moves"], serde_json::json!([]));
+    // The SVG timeline, from the CLI and kept by the daemon.
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        picture.starts_with("<svg") && picture.contains("rolled back"),
+        "{picture}"
+    );
+    let kept = bed.dir.path().join(format!("state/moves/{id}.svg"));
+    assert_eq!(std::fs::read_to_string(kept).unwrap(), picture);
+    let metrics = scrape(bed.dir.path());
+    for line in [
+        "rdmamig_moves_total{outcome=\"rolled_back\"} 1",
+        "rdmamig_forced_paths_total{phase=\"detach\"} 1",
+        "rdmamig_moves_running 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line}\n{metrics}");
+    }
 }
 
 /// Kills the daemon (it aborts on cue) right after it journaled each phase of a naive move,
@@ -544,6 +593,100 @@ fn moves_take_functions_from_the_pool_and_none_free_rolls_back_at_prepare() {
         serde_json::json!({"path": "/machine/peripheral/kbd0", "property": "type"}),
     );
     assert_eq!(kbd["return"], "usb-kbd", "{kbd}");
+}
+
+/// Two VMs move at once; a second move of a VM that is moving is refused.
+#[test]
+fn moves_of_different_vms_run_concurrently_and_the_same_vm_is_refused() {
+    // vm1 holds its NIC (no guest to release it): its move spends 3 s in detach, then rolls
+    // back. vm2 moves its keyboard meanwhile.
+    let bed = Bed::start(&[
+        "-device",
+        "virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,romfile=",
+    ]);
+    let vm2 = Vm::start(
+        bed.dir.path(),
+        "src2",
+        &["-device", "usb-kbd,id=kbd0,bus=xhci.0"],
+    );
+    let dst2 = Vm::start(bed.dir.path(), "dst2", &["-incoming", "defer"]);
+    let move_of = |vm: &str, source: &Vm, destination: &Vm, detach: &str, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+            .arg("migrate")
+            .arg("--socket")
+            .arg(&bed.socket)
+            .args(["--vm", vm, "--qmp"])
+            .arg(source.qmp())
+            .args(["--detach", detach, "--to-qmp"])
+            .arg(destination.qmp())
+            .args([
+                "--attach",
+                "driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1",
+            ])
+            .arg("--via")
+            .arg(format!(
+                "unix:{}",
+                destination.dir.join("mig.sock").display()
+            ))
+            .args(["--strategy", "naive", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    std::thread::scope(|s| {
+        let first = s.spawn(|| {
+            move_of(
+                "vm1",
+                &bed.source,
+                &bed.destination,
+                "nic0",
+                &["--deadline", "detach=3000"],
+            )
+        });
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            let status = bed.query(&["status"]);
+            if status["moves"].as_array().is_some_and(|m| !m.is_empty()) {
+                assert_eq!(status["moves"][0]["vm"], "vm1");
+                break;
+            }
+            assert!(Instant::now() < end, "vm1's move never showed in status");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let again = move_of("vm1", &bed.source, &bed.destination, "nic0", &[]);
+        assert_eq!(again.status.code(), Some(3));
+        let stderr = String::from_utf8_lossy(&again.stderr);
+        assert!(stderr.contains("VM vm1 is already moving"), "{stderr}");
+
+        let second = move_of("vm2", &vm2, &dst2, "kbd0", &[]);
+        assert!(
+            second.status.success(),
+            "{}",
+            String::from_utf8_lossy(&second.stderr)
+        );
+        let first = first.join().unwrap();
+        assert_eq!(
+            first.status.code(),
+            Some(4),
+            "{}",
+            String::from_utf8_lossy(&first.stderr)
+        );
+        let report = |out: &Output| -> Value {
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap())
+                .unwrap()
+        };
+        let (one, two) = (report(&first), report(&second));
+        // vm2's whole move lies inside vm1's.
+        let window = |r: &Value| {
+            (
+                r["timeline"]["started_unix_ms"].as_u64().unwrap(),
+                r["timeline"]["ended_unix_ms"].as_u64().unwrap(),
+            )
+        };
+        let (a, b) = (window(&one), window(&two));
+        assert!(a.0 < b.0 && b.1 < a.1, "not concurrent: {a:?} {b:?}");
+        assert_eq!(two["final_phase"], "done");
+    });
 }
 
 #[test]
