@@ -26,6 +26,9 @@ struct Args {
     /// Run only the coordinated move.
     #[arg(long)]
     skip_naive: bool,
+    /// Where each move's JSON report and SVG timeline are written.
+    #[arg(long, default_value = "target/demo")]
+    out_dir: std::path::PathBuf,
 }
 
 fn main() -> ExitCode {
@@ -61,6 +64,17 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         };
         let outcome = scenario::run(&bed, &daemon, &config)?;
         println!("{}", outcome.move_output.trim_end());
+        if let Some(report) = &outcome.move_report {
+            std::fs::create_dir_all(&args.out_dir)?;
+            let base = args
+                .out_dir
+                .join(format!("move-{}", strategy.migrator_name()));
+            let json = base.with_extension("json");
+            std::fs::write(&json, serde_json::to_string_pretty(report)? + "\n")?;
+            let svg = base.with_extension("svg");
+            std::fs::write(&svg, rdmamig_migrator::svg::timeline_svg(report)?)?;
+            println!("report: {}\ntimeline: {}", json.display(), svg.display());
+        }
         println!("\n{}", scenario::render(&outcome));
         if !outcome.move_succeeded {
             return Err(format!("the {} move failed", strategy.migrator_name()).into());
