@@ -1,7 +1,8 @@
 //! The QEMU backend of [`Vmm`]: QMP for control, a virtio-serial chardev socket for the agent.
 //!
 //! The mapping is direct: `query-status`, `stop`/`cont`, `device_del` + `DEVICE_DELETED`,
-//! `device_add` (then `query-pci` for the address the guest sees), `migrate-incoming`,
+//! `netdev_add`, `device_add` (then `query-pci` for the address the guest sees),
+//! `migrate-incoming`,
 //! `migrate-set-parameters` + `migrate`, `query-migrate` (polled), `migrate_cancel`, `quit`.
 //! QEMU has no migration timeout of its own: [`Vmm::wait_migration`] cancels a migration
 //! that outlives [`MigrationLimits::timeout`], so that both backends end it the same way.
@@ -84,6 +85,27 @@ impl QemuVmm {
             unplugging: std::sync::Mutex::default(),
             migration_end: std::sync::Mutex::default(),
         })
+    }
+
+    /// Adds a host network backend (`netdev_add`), e.g. the tap a destination's new NIC
+    /// will use: `{"type": "tap", "id": "nd1", "ifname": "tap3", "script": "no", ...}`.
+    pub async fn add_netdev(
+        &self,
+        properties: serde_json::Map<String, Value>,
+    ) -> Result<(), VmmError> {
+        let id = properties
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        self.run(
+            "add netdev",
+            &id,
+            "netdev_add",
+            Some(Value::Object(properties)),
+        )
+        .await
+        .map(drop)
     }
 
     /// The QMP session, for commands beyond the [`Vmm`] trait (tests, diagnostics).

@@ -306,6 +306,84 @@ async fn a_cancelled_migration_is_an_error_and_the_source_keeps_the_vm() {
 }
 
 #[tokio::test]
+async fn limits_set_the_downtime_and_a_migration_past_its_timeout_is_cancelled() {
+    let source = Qemu::start(&["-S"]);
+    let destination = Qemu::start(&["-S", "-incoming", "defer"]);
+    let src = source.connect().await;
+    let dst = destination.connect().await;
+    // About 5 s for an idle VM's RAM at this bandwidth: the 1 s limit passes first.
+    src.qmp()
+        .execute(
+            "migrate-set-parameters",
+            Some(serde_json::json!({"max-bandwidth": 100_000})),
+        )
+        .await
+        .unwrap();
+    let via = uri(&destination.path("mig.sock"));
+    dst.prepare_incoming(&via).await.unwrap();
+    let limits = MigrationLimits {
+        downtime: Some(Duration::from_millis(123)),
+        timeout: Some(Duration::from_secs(1)),
+    };
+    src.send_migration(&via, &limits).await.unwrap();
+    let parameters = src
+        .qmp()
+        .execute("query-migrate-parameters", None)
+        .await
+        .unwrap();
+    assert_eq!(parameters["downtime-limit"], 123);
+    let start = Instant::now();
+    let err = src
+        .wait_migration(Duration::from_secs(30), &mut |_| {})
+        .await
+        .unwrap_err();
+    let waited = start.elapsed();
+    assert!(
+        matches!(
+            &err,
+            VmmError::TimedOut {
+                deadline_ms: 1000,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+    // Cancelled, and the VM stays on the source.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = src.qmp().execute("query-migrate", None).await.unwrap();
+        if state["status"] == "cancelled" {
+            break;
+        }
+        assert!(Instant::now() < end, "still {state}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(src.status().await.unwrap().state, "postmigrate");
+}
+
+#[tokio::test]
+async fn adds_a_netdev_for_a_new_nic() {
+    let qemu = Qemu::start(&["-S"]);
+    let vmm = qemu.connect().await;
+    let netdev = serde_json::json!({"type": "hubport", "id": "nd9", "hubid": 1});
+    vmm.add_netdev(netdev.as_object().unwrap().clone())
+        .await
+        .unwrap();
+    let nic =
+        DeviceSpec::parse("driver=virtio-net-pci,id=nic9,netdev=nd9,bus=rp1,romfile=").unwrap();
+    vmm.add_device(&nic).await.unwrap();
+    let err = vmm
+        .add_netdev(netdev.as_object().unwrap().clone())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::Refused { message, .. } if message.contains("nd9")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
 async fn a_migration_to_nowhere_fails_with_qemus_reason() {
     let source = Qemu::start(&["-S"]);
     let src = source.connect().await;
