@@ -33,6 +33,7 @@ use crate::journal::{self, Journal, JournalError};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
+use crate::peer::{Destination, PeerTls};
 use crate::plan::MovePlan;
 use crate::timeline::unix_ms;
 
@@ -52,6 +53,8 @@ pub struct DaemonConfig {
     pub context: MoveContext,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
+    /// Where to serve the destination's duties to other migrators (mutual TLS), if anywhere.
+    pub peer: Option<(String, PeerTls)>,
 }
 
 /// Why the daemon could not run.
@@ -89,6 +92,15 @@ pub enum DaemonError {
     Metrics {
         /// The address.
         address: std::net::SocketAddr,
+        /// What bind said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer address could not be bound.
+    #[error("cannot listen for peer migrators on {address}")]
+    Peer {
+        /// The address.
+        address: String,
         /// What bind said.
         #[source]
         source: std::io::Error,
@@ -234,6 +246,25 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         tracing::info!(%address, "serving Prometheus metrics");
         let shared = shared.clone();
         tokio::spawn(serve_metrics(listener, shared));
+    }
+    if let Some((address, tls)) = shared.config.peer.clone() {
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .map_err(|source| DaemonError::Peer {
+                address: address.clone(),
+                source,
+            })?;
+        tracing::info!(%address, "serving peer migrators (mutual TLS)");
+        let destination = Arc::new(Destination {
+            tls,
+            pool: shared.config.context.pool.clone(),
+            backends: shared.config.context.backends.clone(),
+        });
+        tokio::spawn(async move {
+            if let Err(e) = crate::peer::serve(listener, destination).await {
+                tracing::error!("peer service stopped: {}", error_chain(&e));
+            }
+        });
     }
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;

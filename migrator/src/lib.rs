@@ -16,6 +16,7 @@
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
+//! - [`peer`]: the destination's duties between migrators, over mutual TLS;
 //! - [`metrics`]: the daemon's Prometheus metrics;
 //! - [`cli`]: how the CLI shows progress and the final timeline;
 //! - [`svg`]: the per-move SVG timeline.
@@ -30,6 +31,7 @@ pub mod journal;
 pub mod machine;
 pub mod metrics;
 pub mod mover;
+pub mod peer;
 pub mod plan;
 pub mod pool;
 pub mod svg;

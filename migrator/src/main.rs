@@ -12,8 +12,9 @@ use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, QemuBackends};
+use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
-use rdmamig_migrator::pool::{Config, Pool, PoolError};
+use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
 use rdmamig_vmm::DeviceSpec;
 
 /// The daemon socket when none is given.
@@ -217,10 +218,17 @@ fn main() -> ExitCode {
             metrics,
             max_moves,
         } => {
-            let pool = match open_pool(config.as_deref(), &state_dir) {
-                Ok(pool) => pool,
+            let (pool, peer) = match open_pool(config.as_deref(), &state_dir) {
+                Ok(opened) => opened,
                 Err(e) => {
                     eprintln!("rdmamig daemon: {}", error_chain(&e));
+                    return ExitCode::from(2);
+                }
+            };
+            let peer = match peer_listener(peer) {
+                Ok(peer) => peer,
+                Err(e) => {
+                    eprintln!("rdmamig daemon: [peer]: {}", error_chain(&e));
                     return ExitCode::from(2);
                 }
             };
@@ -239,6 +247,7 @@ fn main() -> ExitCode {
                 state_dir,
                 max_moves: usize::from(max_moves),
                 metrics,
+                peer,
                 context: MoveContext {
                     backends: Arc::new(QemuBackends),
                     pool: Arc::new(pool),
@@ -287,10 +296,11 @@ fn main() -> ExitCode {
 }
 
 /// The pool from the config file (empty without one), its states from the state directory.
+/// Also the `[peer]` table, if the config has one.
 fn open_pool(
     config: Option<&std::path::Path>,
     state_dir: &std::path::Path,
-) -> Result<Pool, PoolError> {
+) -> Result<(Pool, Option<PeerConfig>), PoolError> {
     let config = match config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
@@ -300,7 +310,19 @@ fn open_pool(
         path: state_dir.into(),
         source,
     })?;
-    Pool::open(&config.pool, &state_dir.join("pool.json"))
+    let pool = Pool::open(&config.pool, &state_dir.join("pool.json"))?;
+    Ok((pool, config.peer))
+}
+
+/// Loads the TLS files the `[peer]` table names.
+fn peer_listener(config: Option<PeerConfig>) -> Result<Option<(String, PeerTls)>, PeerError> {
+    let Some(config) = config else {
+        return Ok(None);
+    };
+    let known: Vec<(String, PathBuf)> =
+        config.known.into_iter().map(|k| (k.name, k.cert)).collect();
+    let tls = PeerTls::load(&config.cert, &config.key, &config.ca, &known)?;
+    Ok(Some((config.listen, tls)))
 }
 
 fn output(json: bool) -> Output {

@@ -24,6 +24,17 @@
 //! [[pool.function]]
 //! name = "tap1"
 //! device = "driver=virtio-net-pci,netdev=nd1"
+//!
+//! # Optional: serve the destination's duties to other migrators (see `peer`).
+//! [peer]
+//! listen = "0.0.0.0:7478"
+//! cert = "/etc/rdmamig/tls/host.pem"
+//! key = "/etc/rdmamig/tls/host.key"
+//! ca = "/etc/rdmamig/tls/ca.pem"
+//!
+//! [[peer.known]]
+//! name = "hostA"
+//! cert = "/etc/rdmamig/tls/peers/hostA.pem"
 //! ```
 
 use std::collections::BTreeMap;
@@ -73,6 +84,36 @@ pub struct Config {
     /// The pool of passthrough functions.
     #[serde(default)]
     pub pool: PoolConfig,
+    /// Serving the destination's duties to other migrators (mutual TLS).
+    #[serde(default)]
+    pub peer: Option<PeerConfig>,
+}
+
+/// The `[peer]` table: where to listen, this host's certificate, the CA, the known peers.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// `address:port` to listen on.
+    pub listen: String,
+    /// This host's certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA that signs every migrator's certificate (PEM).
+    pub ca: PathBuf,
+    /// The migrators allowed to ask, each with its certificate.
+    #[serde(default, rename = "known")]
+    pub known: Vec<KnownPeer>,
+}
+
+/// One migrator allowed to ask this one.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KnownPeer {
+    /// Its name, for logs.
+    pub name: String,
+    /// Its certificate (PEM); only this exact certificate is accepted for it.
+    pub cert: PathBuf,
 }
 
 /// How a function is plugged.
@@ -571,6 +612,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("the pool has no functions"));
+    }
+
+    #[test]
+    fn the_peer_table_parses() {
+        let text = format!(
+            "{CONFIG}\n[peer]\nlisten = \"0.0.0.0:7478\"\ncert = \"/t/h.pem\"\nkey = \"/t/h.key\"\n\
+             ca = \"/t/ca.pem\"\n\n[[peer.known]]\nname = \"hostA\"\ncert = \"/t/a.pem\"\n"
+        );
+        let config: Config = toml::from_str(&text).unwrap();
+        let peer = config.peer.unwrap();
+        assert_eq!(peer.listen, "0.0.0.0:7478");
+        assert_eq!(peer.known[0].name, "hostA");
+        assert!(toml::from_str::<Config>("[peer]\nlisten = \"x\"\n").is_err());
     }
 
     #[test]
