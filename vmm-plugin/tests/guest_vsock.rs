@@ -4,7 +4,7 @@
 //! (the image's /init starts it so).
 //!
 //! Shown: the agent answers a ping over the stream the handshake hands back, on a second
-//! connection too; a port nothing listens on is refused; a guest that does not run (paused)
+//! connection too, and through the Cloud Hypervisor backend's `open_agent_channel`; a port nothing listens on is refused; a guest that does not run (paused)
 //! never answers, and the deadline fires (the guest is paused last: vhost-device-vsock 0.3.0
 //! makes no new connection after QEMU's stop/cont, measured here). (A garbage reply cannot come from a real VMM; the
 //! client's handling of one is tested against a fake socket in src/vsock.rs.)
@@ -18,7 +18,7 @@ use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 use rdmamig_testbed::{error_chain, GuestBinaries, Testbed};
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::vsock::{self, VsockError};
-use rdmamig_vmm::{QemuConfig, QemuVmm, Vmm};
+use rdmamig_vmm::{ChConfig, ChVmm, QemuConfig, QemuVmm, Vmm};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -32,6 +32,40 @@ fn the_agent_answers_over_hybrid_vsock() {
     if let Err(e) = scenario(&tb) {
         panic!("{}", error_chain(&*e));
     }
+}
+
+/// A Cloud Hypervisor API socket that answers `vmm.ping` only (the backend pings on
+/// connect); the agent channel under test is the real vsock.
+fn ping_only_api(
+    dir: &std::path::Path,
+) -> std::io::Result<(std::path::PathBuf, tokio::task::JoinHandle<()>)> {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    let socket = dir.join("ch-api.sock");
+    let listener = tokio::net::UnixListener::bind(&socket)?;
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |request: hyper::Request<hyper::body::Incoming>| async move {
+                        let (status, body) = if request.uri().path() == "/api/v1/vmm.ping" {
+                            (200, r#"{"version":"54.0.0"}"#)
+                        } else {
+                            (404, r#"["not in this fake"]"#)
+                        };
+                        let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+                        *response.status_mut() =
+                            hyper::StatusCode::from_u16(status).expect("status");
+                        Ok::<_, hyper::Error>(response)
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok((socket, task))
 }
 
 async fn ping(
@@ -100,6 +134,37 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
         assert_eq!(ping(&mut second, 8).await?.id, 8);
         drop(stream);
         assert_eq!(ping(&mut second, 9).await?.id, 9);
+
+        // The Cloud Hypervisor backend's own agent channel, through the same socket.
+        let (api, server) = ping_only_api(guest.dir())?;
+        let mut config = ChConfig::new(api);
+        config.vsock = Some(socket.clone());
+        let ch = ChVmm::connect(config).await?;
+        let mut channel = ch.open_agent_channel().await?;
+        channel
+            .write_all(&Frame::encode(&AgentRequest {
+                id: 11,
+                command: AgentCommand::Ping,
+            }))
+            .await?;
+        let mut frames = FrameBuffer::new();
+        let mut chunk = [0u8; 4096];
+        let answer: AgentResponse = loop {
+            if let Ok(frame) = frames.pop() {
+                break frame.decode()?;
+            }
+            let n =
+                tokio::time::timeout(Duration::from_secs(10), channel.read(&mut chunk)).await??;
+            assert!(n > 0, "the agent closed the channel");
+            frames.push(&chunk[..n]);
+        };
+        assert_eq!(answer.id, 11);
+        assert!(
+            matches!(answer.result, AgentResult::Pong { .. }),
+            "{answer:?}"
+        );
+        drop(channel);
+        server.abort();
 
         // Nothing listens on this port in the guest.
         let start = Instant::now();
