@@ -490,6 +490,7 @@ mod tests {
                 attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
                 reattach: None,
                 from_pool: false,
+                source_function: None,
                 via: "unix:/m".into(),
                 strategy: Strategy::Naive,
                 deadlines: Deadlines::default(),

@@ -171,6 +171,10 @@ struct MigrateArgs {
     /// and rolls back at once when none is free); --attach then gives the id, bus and MAC.
     #[arg(long)]
     from_pool: bool,
+    /// The pool function the detached device is (this host's pool): reset after the
+    /// detach, back to the pool when the move is done, quarantined if the reset failed.
+    #[arg(long)]
+    source_function: Option<String>,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
     via: String,
@@ -381,6 +385,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         attach: args.attach,
         reattach: args.reattach,
         from_pool: args.from_pool,
+        source_function: args.source_function,
         via: args.via,
         strategy: args.strategy,
         deadlines,

@@ -45,6 +45,7 @@ use crate::machine::{transition, InvalidTransition, Phase};
 use crate::plan::{Endpoint, MovePlan, Strategy};
 use crate::pool::{device_for, Attachment, Pool, PoolError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
+use crate::vfio::{Sysfs, VfioFunction};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
 /// a phase has its own deadline, so this only catches a call that ignores it.
@@ -436,6 +437,9 @@ struct Mover {
     recovered_from: Option<Phase>,
     /// The function reserved in the destination's pool.
     function: Option<(String, Attachment)>,
+    /// How the reset of the source's function after the detach went (`None`: not done in
+    /// this process, e.g. after a restart).
+    source_reset: Option<Result<String, String>>,
 }
 
 impl Mover {
@@ -469,6 +473,7 @@ impl Mover {
             rollback_error: None,
             recovered_from: None,
             function: None,
+            source_reset: None,
         }
     }
 
@@ -589,6 +594,7 @@ impl Mover {
                 }
             }
         }
+        self.return_source_function();
         self.phase = transition(self.phase, Phase::Done).map_err(|e| (self.phase, e.into()))?;
         Ok(())
     }
@@ -967,7 +973,57 @@ impl Mover {
         }
         let mut details = Map::new();
         details.insert("device".into(), self.plan.detach.clone().into());
+        if let Some(name) = self.plan.source_function.clone() {
+            let result = self.reset_source_function(&name);
+            let text = match &result {
+                Ok(done) => done.clone(),
+                Err(e) => format!("FAILED: {e}"),
+            };
+            details.insert("reset".into(), text.into());
+            self.source_reset = Some(result);
+        }
         Ok(Finished::ok(details))
+    }
+
+    /// Resets the source's detached function, so that it stops processing whatever was
+    /// still posted to it, before it may go back to the pool.
+    fn reset_source_function(&self, name: &str) -> Result<String, String> {
+        match self.context.pool.attachment(name) {
+            Some(Attachment::Vfio { pci }) => VfioFunction::open(&Sysfs::default(), &pci)
+                .and_then(|f| f.reset())
+                .map(|()| format!("{pci} reset"))
+                .map_err(|e| error_chain(&e)),
+            Some(Attachment::Emulated { .. }) => Ok("emulated: nothing to reset".into()),
+            None => Err(format!("no function {name} in this host's pool")),
+        }
+    }
+
+    /// Once the move is done, gives the source's function back to the pool, or quarantines
+    /// it when its reset failed. Neither undoes the move: problems are warnings.
+    fn return_source_function(&mut self) {
+        let Some(name) = self.plan.source_function.clone() else {
+            return;
+        };
+        let result = match self.source_reset.take() {
+            Some(result) => result,
+            None => self.reset_source_function(&name),
+        };
+        let pool = self.context.pool.clone();
+        let outcome = match &result {
+            Ok(_) => pool.release(&name, &self.id, &self.plan.vm),
+            Err(reason) => {
+                self.warn(format!(
+                    "function {name} is quarantined: its reset failed: {reason}"
+                ));
+                pool.quarantine(&name, reason)
+            }
+        };
+        if let Err(e) = outcome {
+            self.warn(format!(
+                "function {name} could not be returned to the pool: {}",
+                error_chain(&e)
+            ));
+        }
     }
 
     async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
@@ -1545,6 +1601,44 @@ mod tests {
         let report = crash_and_recover(&bed, Bed::pooled(), Phase::Detach).await;
         assert_eq!(report.final_phase, Phase::RolledBack);
         assert_eq!(bed.pool.state("tap0"), Some(FunctionState::Free));
+    }
+
+    #[tokio::test]
+    async fn the_detached_function_is_reset_then_returned_or_quarantined() {
+        let dir = tempfile::tempdir().unwrap();
+        let config: crate::pool::Config = toml::from_str(
+            "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n\
+             [[pool.function]]\nname = \"vf9\"\npci = \"0000:3b:00.7\"\n",
+        )
+        .unwrap();
+        for (function, freed) in [("tap0", true), ("vf9", false)] {
+            let mut bed = Bed::new();
+            bed.pool = Arc::new(
+                Pool::open(&config.pool, &dir.path().join(format!("{function}.json"))).unwrap(),
+            );
+            // The source VM runs with the function, as an earlier move left it.
+            bed.pool.reserve("earlier").unwrap();
+            bed.pool.reserve("earlier").unwrap();
+            bed.pool.attach(function, "earlier", "vm1").unwrap();
+            let mut plan = plan();
+            plan.source_function = Some(function.into());
+            let report = bed.run(plan).await;
+            assert!(report.ok, "{report:#?}");
+            let reset = report.timeline.phases[2].details["reset"].as_str().unwrap();
+            let state = bed.pool.state(function).unwrap();
+            if freed {
+                assert_eq!(reset, "emulated: nothing to reset");
+                assert_eq!(state, FunctionState::Free);
+            } else {
+                // This host has no such VF (and maybe no VFIO): the reset fails, and the
+                // function must not be handed out again.
+                assert!(reset.starts_with("FAILED: "), "{reset}");
+                assert!(
+                    matches!(&state, FunctionState::Quarantined { reason } if !reason.is_empty()),
+                    "{state:?}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

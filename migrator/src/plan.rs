@@ -124,6 +124,11 @@ pub struct MovePlan {
     /// bus, MAC).
     #[serde(default)]
     pub from_pool: bool,
+    /// The source's pool function the detached device is: after the detach it is reset
+    /// (VFIO), and once the move is done it returns to the pool, or is quarantined if the
+    /// reset failed.
+    #[serde(default)]
+    pub source_function: Option<String>,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
     /// How connections are treated.
@@ -224,6 +229,7 @@ pub(crate) mod tests {
             attach: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
             reattach: None,
             from_pool: false,
+            source_function: None,
             via: "unix:/d/mig.sock".into(),
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),

@@ -404,6 +404,19 @@ impl Pool {
         self.change(name, allowed, FunctionState::Free)
     }
 
+    /// How a function is plugged.
+    pub fn attachment(&self, name: &str) -> Option<Attachment> {
+        self.functions.get(name).cloned()
+    }
+
+    /// Takes a function out of use (its reset failed); only an operator frees it.
+    pub fn quarantine(&self, name: &str, reason: &str) -> Result<(), PoolError> {
+        let to = FunctionState::Quarantined {
+            reason: reason.into(),
+        };
+        self.change(name, |_| Ok(()), to)
+    }
+
     /// The state of one function, as saved (an expired reservation still shows).
     pub fn state(&self, name: &str) -> Option<FunctionState> {
         self.lock().get(name).cloned()
