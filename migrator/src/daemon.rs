@@ -562,6 +562,8 @@ async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     loop {
         let Ok((mut stream, _)) = listener.accept().await else {
+            // Out of descriptors or similar: do not spin.
+            tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let body = {

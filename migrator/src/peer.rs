@@ -265,6 +265,8 @@ pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Resu
     let acceptor = TlsAcceptor::from(Arc::new(destination.tls.server_config()?));
     loop {
         let Ok((stream, address)) = listener.accept().await else {
+            // Out of descriptors or similar: do not spin.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             continue;
         };
         let acceptor = acceptor.clone();
