@@ -169,9 +169,17 @@ rxe_of() {{
   }}'
 }}
 
+# Whether netdev $1 carries the address (always true when none is configured).
+has_addr() {{
+  [ -z "$addr" ] && return 0
+  $IP -o -4 addr show dev "$1" 2>/dev/null | grep -q " ${{addr%/*}}/"
+}}
+
 configure() {{
   dev=$1
-  [ -n "$(rxe_of "$dev")" ] && return 0
+  # A Soft-RoCE link alone is not enough: right after a swap of the NIC the old one's link
+  # may still be listed under the same name while the new netdev has no address yet.
+  [ -n "$(rxe_of "$dev")" ] && has_addr "$dev" && return 0
   log "$dev: configuring"
   if [ -n "$addr" ]; then
     $IP addr replace "$addr" dev "$dev" || log "$dev: cannot set address $addr"
@@ -209,7 +217,7 @@ wait_active() {{
   while :; do
     for dev in $(nics); do
       set -- $(rxe_of "$dev")
-      [ "$2" = ACTIVE ] && return 0
+      [ "$2" = ACTIVE ] && has_addr "$dev" && return 0
     done
     n=$((n + 1))
     [ $n -ge $limit ] && return 1

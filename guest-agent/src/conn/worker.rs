@@ -359,9 +359,12 @@ impl Worker {
             if self.done {
                 break;
             }
+            // Completions first: a CLOSE (or PAUSE) the peer sent just before it disconnected
+            // must be seen before its DISCONNECTED event, or a clean close would look like a
+            // broken link (and the resume that follows would be refused).
+            self.handle_completions();
             self.handle_cm_events();
             if self.link.is_some() {
-                self.handle_completions();
                 self.progress();
                 if self.link.is_some() {
                     self.pump();
@@ -715,7 +718,8 @@ impl Worker {
             let expected = self
                 .link
                 .as_ref()
-                .is_some_and(|l| l.disconnecting.is_some() || l.peer_paused.is_some());
+                .is_some_and(|l| l.disconnecting.is_some() || l.peer_paused.is_some())
+                || self.sh.lock().peer_closed;
             self.link_lost(f, expected);
         }
     }

@@ -580,8 +580,28 @@ impl CmId {
     }
 
     /// Destroys the QP (if any); posted work requests are gone with it.
+    ///
+    /// The QP is first moved to the error state, which flushes its work requests: Soft-RoCE
+    /// (kernel 6.1) otherwise waits in `rxe_destroy_qp` for references its send path still
+    /// holds, which after a device vanished under a busy QP was seen to block the thread
+    /// (and with it the device's unplug) for longer than 10 s.
     pub fn destroy_qp(&mut self) {
         if let Some(parts) = self.qp.take() {
+            // SAFETY: the id is valid and has a QP (`parts` is Some); a zeroed ibv_qp_attr
+            // with only qp_state set is a valid argument for the IBV_QP_STATE mask. A failure
+            // (the device is gone) is harmless: the destroy below runs either way.
+            let rc = unsafe {
+                let mut attr: ibv_qp_attr = std::mem::zeroed();
+                attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
+                ibv_modify_qp(
+                    (*self.raw()).qp,
+                    &mut attr,
+                    ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                )
+            };
+            if rc != 0 {
+                tracing::debug!(error = %io::Error::from_raw_os_error(rc), "moving the QP to ERR before destroying it failed");
+            }
             // SAFETY: the id has a QP created by rdma_create_qp, destroyed exactly once here,
             // while `parts` still holds its PD and CQ.
             unsafe { rdma_destroy_qp(self.raw()) };
@@ -677,11 +697,44 @@ fn cached_contexts() -> &'static Mutex<Vec<CachedContext>> {
     CONTEXTS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
+/// PDs alive per context (keyed by its command descriptor). A context is shared by every id
+/// of the process on the device, so one thread's refresh (a listener that lost its device)
+/// must not release a context another thread's connection still has objects on: those
+/// objects' destruction would then fail and leave the completion channel's descriptor open,
+/// which holds the device and blocks its unplug.
+fn live_pds() -> &'static Mutex<std::collections::HashMap<i32, usize>> {
+    static LIVE: std::sync::OnceLock<Mutex<std::collections::HashMap<i32, usize>>> =
+        std::sync::OnceLock::new();
+    LIVE.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
+}
+
+/// Counts a PD allocated (`true`) or freed (`false`) on the context with `cmd_fd`.
+pub(crate) fn context_in_use(cmd_fd: i32, allocated: bool) {
+    let mut live = live_pds().lock().unwrap_or_else(|p| p.into_inner());
+    let n = live.entry(cmd_fd).or_default();
+    if allocated {
+        *n += 1;
+    } else {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            live.remove(&cmd_fd);
+        }
+    }
+}
+
+fn context_busy(cmd_fd: i32) -> bool {
+    live_pds()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&cmd_fd)
+}
+
 /// Remembers the descriptors of the device context `ctx` (librdmacm's, shared by all ids on
-/// the device) so [`refresh_device_list`] can release them once the device has vanished.
-pub(crate) fn remember_context(ctx: *mut ibv_context) {
+/// the device) so [`refresh_device_list`] can release them once the device has vanished;
+/// returns its command descriptor.
+pub(crate) fn remember_context(ctx: *mut ibv_context) -> i32 {
     if ctx.is_null() {
-        return;
+        return -1;
     }
     // SAFETY: `ctx` is a live context (the caller holds an id bound to it); its `device`
     // pointer and the NUL-terminated `dev_name` array inside stay valid while it is open.
@@ -696,10 +749,12 @@ pub(crate) fn remember_context(ctx: *mut ibv_context) {
                 .into_owned(),
         }
     };
+    let cmd_fd = entry.cmd_fd;
     let mut list = cached_contexts().lock().unwrap_or_else(|p| p.into_inner());
     if !list.contains(&entry) {
         list.push(entry);
     }
+    cmd_fd
 }
 
 /// Refreshes librdmacm's device list (rdma_get_devices + rdma_free_devices) and releases the
@@ -713,8 +768,9 @@ pub(crate) fn remember_context(ctx: *mut ibv_context) {
 /// device's `uverbsN` node is gone from sysfs (the first step of its removal), the context's
 /// command and async-event descriptors are replaced by /dev/null (dup2): the kernel's files
 /// are released, the unplug completes, and librdmacm's later close of that context closes
-/// the /dev/null duplicates. Only called while this process holds no id, PD, CQ or QP on the
-/// vanished device. Returns the number of devices present.
+/// the /dev/null duplicates. A context on which this process still has a PD (and so
+/// possibly a QP, CQ or MRs) is left alone until a later refresh, after its owner released
+/// them. Returns the number of devices present.
 pub fn refresh_device_list() -> Result<usize, VerbsError> {
     let mut n: i32 = 0;
     // SAFETY: `n` is an out-parameter; the result is checked for NULL.
@@ -733,7 +789,7 @@ fn evict_vanished_contexts() {
         let present = std::path::Path::new("/sys/class/infiniband_verbs")
             .join(&c.uverbs)
             .exists();
-        if present {
+        if present || context_busy(c.cmd_fd) {
             return true;
         }
         let link = |fd: i32| std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();

@@ -24,6 +24,9 @@ pub struct QpCaps {
 
 pub(crate) struct PdInner {
     ptr: NonNull<ibv_pd>,
+    /// The context's command descriptor: the key of its in-use count (see
+    /// `cm::context_in_use`).
+    cmd_fd: i32,
     // Keeps the id, and with it librdmacm's reference on the device context, alive.
     _id: Arc<IdInner>,
 }
@@ -42,6 +45,9 @@ impl Drop for PdInner {
         if rc != 0 {
             tracing::warn!(error = %io::Error::from_raw_os_error(rc), "ibv_dealloc_pd failed");
         }
+        // Everything of this endpoint on the context (QP, CQ, completion channel, MRs) was
+        // released before its PD.
+        super::cm::context_in_use(self.cmd_fd, false);
     }
 }
 
@@ -57,13 +63,18 @@ impl ProtectionDomain {
         if ctx.is_null() {
             return Err(VerbsError::NoDevice);
         }
-        super::cm::remember_context(ctx);
+        let cmd_fd = super::cm::remember_context(ctx);
         // SAFETY: `ctx` is the id's open device context (non-NULL, kept open by the id).
         let ptr = unsafe { ibv_alloc_pd(ctx) };
         let ptr =
             NonNull::new(ptr).ok_or_else(|| VerbsError::AllocPd(io::Error::last_os_error()))?;
+        super::cm::context_in_use(cmd_fd, true);
         Ok(Self {
-            inner: Arc::new(PdInner { ptr, _id: id }),
+            inner: Arc::new(PdInner {
+                ptr,
+                cmd_fd,
+                _id: id,
+            }),
         })
     }
 
