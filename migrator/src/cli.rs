@@ -377,7 +377,7 @@ pub fn render_report(report: &MoveReport) -> String {
         Phase::RolledBack => {
             let _ = writeln!(
                 text,
-                "move {} ROLLED BACK: {error}; {location}, with its device and its connections resumed",
+                "move {} ROLLED BACK: {error}; {location} as before the move (device and connections back)",
                 report.id
             );
         }

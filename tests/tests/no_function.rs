@@ -1,0 +1,109 @@
+//! A destination without a free function, on the test bed: a coordinated move that takes
+//! its NIC from the destination's pool (`--from-pool`) while the pool has none free fails at
+//! prepare and is rolled back before anything in the VM was touched; the RDMA traffic
+//! running both ways loses, duplicates and reorders nothing, with no error on either side.
+//!
+//! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
+
+use std::process::Command;
+use std::time::Duration;
+
+use rdmamig_testbed::scenario::Daemon;
+use rdmamig_testbed::steps::{
+    assert_clean, collect_report, dump_logs, start_traffic, stop_traffic, wait_ready,
+};
+use rdmamig_testbed::{bin_dir, error_chain, Testbed};
+use serde_json::Value;
+
+const TAG: &str = "flow";
+
+#[test]
+fn a_destination_without_a_free_function_refuses_the_move_before_touching_the_vm() {
+    let bed = Testbed::new("nofunction").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let peer_spec = bed.guest_spec("nf-peer").unwrap();
+    let src_spec = bed.guest_spec("nf-src").unwrap();
+    let dst_spec = bed.incoming_spec(&src_spec, "nf-dst").unwrap();
+    let (peer, src) = std::thread::scope(|s| {
+        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
+        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
+        (peer.join().unwrap(), src.join().unwrap())
+    });
+    let (peer, src) = (peer.unwrap(), src.unwrap());
+    let dst = bed.start_incoming(dst_spec).unwrap();
+
+    let server = format!("{}:7471", peer_spec.address());
+    let common = "--mode migratable --rate 200";
+    start_traffic(&peer, TAG, &format!("serve --listen {server} {common}")).unwrap();
+    start_traffic(&src, TAG, &format!("connect --to {server} {common}")).unwrap();
+    wait_ready(&peer, TAG).unwrap();
+    wait_ready(&src, TAG).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+
+    // The daemon runs without a config: its pool is empty.
+    let report_path = bed.dir().join("move.json");
+    let out = Command::new(bin_dir().join("rdmamig"))
+        .arg("migrate")
+        .arg("--socket")
+        .arg(daemon.socket())
+        .args(["--vm", &src_spec.name, "--qmp"])
+        .arg(src.qmp_socket())
+        .arg("--agent")
+        .arg(src.agent_socket())
+        .args(["--detach", "nic0", "--to-qmp"])
+        .arg(dst.qmp_socket())
+        .arg("--to-agent")
+        .arg(dst.agent_socket())
+        .arg("--attach")
+        .arg(format!(
+            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+            src_spec.mac
+        ))
+        .arg("--via")
+        .arg(format!("unix:{}", dst.migration_socket_path().display()))
+        .args(["--from-pool", "--report"])
+        .arg(&report_path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(4), "the move was not rolled back");
+    assert!(stdout.contains("ROLLED BACK"), "{stdout}");
+
+    std::thread::sleep(Duration::from_secs(3));
+    stop_traffic(&src, TAG).unwrap();
+    stop_traffic(&peer, TAG).unwrap();
+    let (mover, peer_report) = match (collect_report(&src, TAG), collect_report(&peer, TAG)) {
+        (Ok(m), Ok(p)) => (m, p),
+        (m, p) => {
+            dump_logs(&src);
+            dump_logs(&peer);
+            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
+        }
+    };
+    eprintln!("source: {mover:?}\npeer: {peer_report:?}");
+    assert_clean("peer", &peer_report, &mover);
+    assert_clean("source", &mover, &peer_report);
+
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(report["final_phase"], "rolled_back");
+    assert_eq!(report["failed_phase"], "prepare");
+    assert_eq!(report["vm_location"], "source");
+    assert!(
+        report["error"]
+            .as_str()
+            .unwrap()
+            .contains("no free function in the pool"),
+        "{report}"
+    );
+    let phases: Vec<&str> = report["timeline"]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["prepare", "rollback"]);
+    // Nothing was quiesced or unplugged: the flow never paused.
+    assert_eq!(mover.connections_established, 1, "{mover:?}");
+    assert!(peer_report.max_gap_ms < 1000.0, "{peer_report:?}");
+}
