@@ -62,6 +62,9 @@ pub struct ScenarioConfig {
     pub processes: u32,
     /// Connections of each process.
     pub connections: u32,
+    /// After the VM's move, move the peer VM too (the passive side of every connection),
+    /// with the same strategy, while traffic runs.
+    pub move_peer: bool,
     /// Traffic time before the move.
     pub before: Duration,
     /// Traffic time after the move.
@@ -76,6 +79,7 @@ impl ScenarioConfig {
             rate: 200,
             processes: 1,
             connections: 1,
+            move_peer: false,
             before: Duration::from_secs(3),
             after: Duration::from_secs(4),
         }
@@ -99,6 +103,9 @@ pub struct ScenarioOutcome {
     pub peer: TrafficReport,
     /// The traffic report of the moving VM.
     pub mover: TrafficReport,
+    /// The peer VM's own move, when `move_peer` was set: whether it succeeded and what
+    /// `rdmamig migrate` printed.
+    pub peer_move: Option<(bool, String)>,
     /// The peer's clock minus the host's, in ms (guests set their clock from the RTC at
     /// boot, to the second): subtract it from the peer's times to line them up with the
     /// host's timeline.
@@ -253,41 +260,37 @@ pub fn run(
     std::thread::sleep(config.before);
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));
-    let mut migrate = Command::new(crate::bin_dir().join("rdmamig"));
-    migrate
-        .arg("migrate")
-        .arg("--socket")
-        .arg(daemon.socket())
-        .args(["--vm", &src_spec.name, "--qmp"])
-        .arg(src.qmp_socket())
-        .arg("--agent")
-        .arg(src.agent_socket())
-        .args(["--detach", "nic0", "--to-qmp"])
-        .arg(dst.qmp_socket())
-        .arg("--to-agent")
-        .arg(dst.agent_socket())
-        .arg("--attach")
-        .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
-            src_spec.mac
-        ))
-        .arg("--via")
-        .arg(format!("unix:{}", dst.migration_socket_path().display()))
-        .args(["--strategy", tag, "--report"])
-        .arg(&report_path);
     let started = crate::unix_ms();
-    let log = bed.dir().join(format!("move-{tag}.log"));
-    let (move_succeeded, move_output) = run_bounded(migrate, &log, MOVE_TIMEOUT)?;
+    let (move_succeeded, move_output) = migrate_vm(
+        bed,
+        daemon,
+        tag,
+        (&src, &dst),
+        &report_path,
+        &format!("move-{tag}.log"),
+    )?;
     let ended = crate::unix_ms();
-    src.kill();
-
-    dst.reattach_console()
-        .map_err(|source| ScenarioError::Guest {
-            guest: dst.name().into(),
-            what: "attaching to the console after the move",
-            source: Box::new(source),
-        })?;
     std::thread::sleep(config.after);
+    let (peer, peer_move) = if config.move_peer {
+        let peer_dst = bed
+            .start_incoming(
+                bed.incoming_spec(&peer_spec, &format!("{tag}-peer-dst"))
+                    .map_err(Box::new)?,
+            )
+            .map_err(Box::new)?;
+        let moved = migrate_vm(
+            bed,
+            daemon,
+            tag,
+            (&peer, &peer_dst),
+            &bed.dir().join(format!("move-{tag}-peer.json")),
+            &format!("move-{tag}-peer.log"),
+        )?;
+        std::thread::sleep(config.after);
+        (peer_dst, Some(moved))
+    } else {
+        (peer, None)
+    };
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
     for i in 0..processes {
@@ -305,10 +308,56 @@ pub fn run(
         move_output,
         move_report,
         move_window_unix_ms: (started, ended),
+        peer_move,
         peer: peer_report,
         mover,
         peer_clock_offset_ms,
     })
+}
+
+/// Moves `vm` to the `-incoming` guest `dst` with `rdmamig migrate` (strategy `tag`),
+/// writing the migrator's report to `report_path` and its output to `log` in the bed's
+/// directory; stops the source and attaches to the destination's console afterwards.
+/// Returns whether the move succeeded and what the command printed.
+fn migrate_vm(
+    bed: &Testbed,
+    daemon: &Daemon,
+    tag: &str,
+    (vm, dst): (&Guest, &Guest),
+    report_path: &Path,
+    log: &str,
+) -> Result<(bool, String), ScenarioError> {
+    let mut migrate = Command::new(crate::bin_dir().join("rdmamig"));
+    migrate
+        .arg("migrate")
+        .arg("--socket")
+        .arg(daemon.socket())
+        .args(["--vm", &vm.spec().name, "--qmp"])
+        .arg(vm.qmp_socket())
+        .arg("--agent")
+        .arg(vm.agent_socket())
+        .args(["--detach", "nic0", "--to-qmp"])
+        .arg(dst.qmp_socket())
+        .arg("--to-agent")
+        .arg(dst.agent_socket())
+        .arg("--attach")
+        .arg(format!(
+            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+            vm.spec().mac
+        ))
+        .arg("--via")
+        .arg(format!("unix:{}", dst.migration_socket_path().display()))
+        .args(["--strategy", tag, "--report"])
+        .arg(report_path);
+    let outcome = run_bounded(migrate, &bed.dir().join(log), MOVE_TIMEOUT)?;
+    vm.kill();
+    dst.reattach_console()
+        .map_err(|source| ScenarioError::Guest {
+            guest: dst.name().into(),
+            what: "attaching to the console after the move",
+            source: Box::new(source),
+        })?;
+    Ok(outcome)
 }
 
 /// Estimates `guest`'s wall clock minus the host's from one console round trip (the
