@@ -201,6 +201,16 @@ impl Vmm for FakeVmm {
         progress: ProgressFn<'_>,
     ) -> Result<MigrationProgress, VmmError> {
         let fault = self.host.call("src.wait_migration");
+        {
+            let state = self.host.state();
+            if !state.migrating && state.source_state != "postmigrate" {
+                // Cancelled (or never started): QEMU reports it as over.
+                return Err(VmmError::MigrationFailed {
+                    status: MigrationStatus::Cancelled,
+                    reason: "cancelled".into(),
+                });
+            }
+        }
         let sample = |status| MigrationProgress {
             status,
             total_time_ms: Some(700),

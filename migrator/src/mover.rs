@@ -688,6 +688,20 @@ impl Mover {
             let source = self.vmm(Side::Source).await?;
             if !self.migrated {
                 source.cancel_migration().await?;
+                // Wait until the migration is over, not just asked to stop: a VMM refuses
+                // hot-plug while a cancelled migration is still winding down. It may also
+                // have completed before the cancel took.
+                let mut ignore = |_: &MigrationProgress| {};
+                match source
+                    .wait_migration(self.plan.deadlines.of(Phase::Rollback), &mut ignore)
+                    .await
+                {
+                    Ok(_) => self.migrated = true,
+                    // Cancelled or failed: over. Protocol: none was running (a migrator
+                    // killed before it started one).
+                    Err(VmmError::MigrationFailed { .. } | VmmError::Protocol { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
                 let end = Instant::now() + self.plan.deadlines.of(Phase::Rollback);
                 loop {
                     let state = source.status().await?.state;
