@@ -65,6 +65,9 @@ pub struct ScenarioConfig {
     /// After the VM's move, move the peer VM too (the passive side of every connection),
     /// with the same strategy, while traffic runs.
     pub move_peer: bool,
+    /// With `move_peer`: start the peer's move half a second after the first one, so that
+    /// the two moves overlap.
+    pub overlap: bool,
     /// Traffic time before the move.
     pub before: Duration,
     /// Traffic time after the move.
@@ -80,6 +83,7 @@ impl ScenarioConfig {
             processes: 1,
             connections: 1,
             move_peer: false,
+            overlap: false,
             before: Duration::from_secs(3),
             after: Duration::from_secs(4),
         }
@@ -260,45 +264,69 @@ pub fn run(
     std::thread::sleep(config.before);
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));
-    let started = crate::unix_ms();
-    let (move_succeeded, move_output) = migrate_vm(
-        bed,
-        daemon,
-        tag,
-        (&src, &dst),
-        &report_path,
-        &format!("move-{tag}.log"),
-    )?;
-    let ended = crate::unix_ms();
-    std::thread::sleep(config.after);
-    let (peer, peer_move) = if config.move_peer {
-        let peer_dst = bed
-            .start_incoming(
-                bed.incoming_spec(&peer_spec, &format!("{tag}-peer-dst"))
-                    .map_err(Box::new)?,
-            )
+    let peer_report_path = bed.dir().join(format!("move-{tag}-peer.json"));
+    let peer_dst = if config.move_peer {
+        let spec = bed
+            .incoming_spec(&peer_spec, &format!("{tag}-peer-dst"))
             .map_err(Box::new)?;
-        let moved = migrate_vm(
+        Some(bed.start_incoming(spec).map_err(Box::new)?)
+    } else {
+        None
+    };
+    let move_first = || {
+        migrate_vm(
             bed,
             daemon,
             tag,
-            (&peer, &peer_dst),
-            &bed.dir().join(format!("move-{tag}-peer.json")),
-            &format!("move-{tag}-peer.log"),
-        )?;
-        std::thread::sleep(config.after);
-        (peer_dst, Some(moved))
-    } else {
-        (peer, None)
+            (&src, &dst),
+            &report_path,
+            &format!("move-{tag}.log"),
+        )
     };
+    let move_peer = |peer_dst: &Guest| {
+        migrate_vm(
+            bed,
+            daemon,
+            tag,
+            (&peer, peer_dst),
+            &peer_report_path,
+            &format!("move-{tag}-peer.log"),
+        )
+    };
+    let started = crate::unix_ms();
+    let (first, ended, peer_move) = match &peer_dst {
+        Some(peer_dst) if config.overlap => {
+            let (first, ended, second) = std::thread::scope(|s| {
+                let first = s.spawn(|| {
+                    let r = move_first();
+                    (r, crate::unix_ms())
+                });
+                std::thread::sleep(Duration::from_millis(500));
+                let second = move_peer(peer_dst);
+                let (first, ended) = first.join().expect("move thread");
+                (first, ended, second)
+            });
+            (first, ended, Some(second?))
+        }
+        Some(peer_dst) => {
+            let first = move_first();
+            let ended = crate::unix_ms();
+            std::thread::sleep(config.after);
+            (first, ended, Some(move_peer(peer_dst)?))
+        }
+        None => (move_first(), crate::unix_ms(), None),
+    };
+    let (move_succeeded, move_output) = first?;
+    std::thread::sleep(config.after);
+    let peer = peer_dst.as_ref().unwrap_or(&peer);
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
     for i in 0..processes {
         signal_traffic(&dst, i)?;
-        signal_traffic(&peer, i)?;
+        signal_traffic(peer, i)?;
     }
     let mover = collect_reports(&dst, processes)?;
-    let peer_report = collect_reports(&peer, processes)?;
+    let peer_report = collect_reports(peer, processes)?;
     let move_report = std::fs::read(&report_path)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
