@@ -187,7 +187,12 @@ pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut file = std::fs::File::create(&temporary)?;
     file.write_all(bytes)?;
     file.sync_all()?;
-    std::fs::rename(&temporary, path)
+    std::fs::rename(&temporary, path)?;
+    // The rename itself is durable only once the directory is.
+    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => File::open(dir)?.sync_all(),
+        None => Ok(()),
+    }
 }
 
 /// A journal read back.
