@@ -355,26 +355,8 @@ fn migrate_vm(
     report_path: &Path,
     log: &str,
 ) -> Result<(bool, String), ScenarioError> {
-    let mut migrate = Command::new(crate::bin_dir().join("rdmamig"));
+    let mut migrate = crate::steps::migrate_command(daemon.socket(), vm, dst);
     migrate
-        .arg("migrate")
-        .arg("--socket")
-        .arg(daemon.socket())
-        .args(["--vm", &vm.spec().name, "--qmp"])
-        .arg(vm.qmp_socket())
-        .arg("--agent")
-        .arg(vm.agent_socket())
-        .args(["--detach", "nic0", "--to-qmp"])
-        .arg(dst.qmp_socket())
-        .arg("--to-agent")
-        .arg(dst.agent_socket())
-        .arg("--attach")
-        .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
-            vm.spec().mac
-        ))
-        .arg("--via")
-        .arg(format!("unix:{}", dst.migration_socket_path().display()))
         .args(["--strategy", tag, "--report"])
         .arg(report_path);
     let outcome = run_bounded(migrate, &bed.dir().join(log), MOVE_TIMEOUT)?;

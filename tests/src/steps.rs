@@ -5,12 +5,14 @@
 //! Each traffic process gets files `/tmp/<tag>.{out,err,json,ready,pid}` in its guest, so
 //! several can run side by side and a failed test can print their logs.
 
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rdmamig_guest::traffic::Report;
 use serde_json::{json, Value};
 
-use crate::Guest;
+use crate::{bin_dir, Guest};
 
 /// Bound on every console command these steps run.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -140,4 +142,32 @@ pub fn assert_clean(name: &str, r: &Report, sender: &Report) {
         r.received, sender.sent,
         "{name} did not receive everything the other side sent: {r:?} / {sender:?}"
     );
+}
+
+/// The `rdmamig migrate` command that moves `src` to the `-incoming` guest `dst` through the
+/// daemon listening on `socket`: NIC `nic0` is unplugged on the source and plugged again,
+/// with the same MAC, on the destination's netdev `nd0`, over a UNIX migration socket.
+/// Callers add the strategy, deadlines, report path or output options they need.
+pub fn migrate_command(socket: &Path, src: &Guest, dst: &Guest) -> Command {
+    let mut command = Command::new(bin_dir().join("rdmamig"));
+    command
+        .arg("migrate")
+        .arg("--socket")
+        .arg(socket)
+        .args(["--vm", &src.spec().name, "--qmp"])
+        .arg(src.qmp_socket())
+        .arg("--agent")
+        .arg(src.agent_socket())
+        .args(["--detach", "nic0", "--to-qmp"])
+        .arg(dst.qmp_socket())
+        .arg("--to-agent")
+        .arg(dst.agent_socket())
+        .arg("--attach")
+        .arg(format!(
+            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+            src.spec().mac
+        ))
+        .arg("--via")
+        .arg(format!("unix:{}", dst.migration_socket_path().display()));
+    command
 }

@@ -11,7 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, start_traffic, stop_traffic, wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
+    wait_ready,
 };
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
 use serde_json::Value;
@@ -84,27 +85,7 @@ fn a_migrator_killed_after_the_migration_is_finished_by_its_successor_and_loses_
     wait_ready(&src, TAG).unwrap();
     std::thread::sleep(Duration::from_secs(2));
 
-    let out = Command::new(bin_dir().join("rdmamig"))
-        .arg("migrate")
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--vm", &src_spec.name, "--qmp"])
-        .arg(src.qmp_socket())
-        .arg("--agent")
-        .arg(src.agent_socket())
-        .args(["--detach", "nic0", "--to-qmp"])
-        .arg(dst.qmp_socket())
-        .arg("--to-agent")
-        .arg(dst.agent_socket())
-        .arg("--attach")
-        .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
-            src_spec.mac
-        ))
-        .arg("--via")
-        .arg(format!("unix:{}", dst.migration_socket_path().display()))
-        .output()
-        .unwrap();
+    let out = migrate_command(&socket, &src, &dst).output().unwrap();
     eprintln!(
         "{}\n{}",
         String::from_utf8_lossy(&out.stdout),

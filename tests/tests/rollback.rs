@@ -5,14 +5,14 @@
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
-use std::process::Command;
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, start_traffic, stop_traffic, wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
+    wait_ready,
 };
-use rdmamig_testbed::{bin_dir, error_chain, Testbed};
+use rdmamig_testbed::{error_chain, Testbed};
 use serde_json::Value;
 
 const TAG: &str = "flow";
@@ -42,25 +42,7 @@ fn a_migration_cancelled_midway_rolls_back_and_loses_nothing() {
 
     // A 512 MiB guest takes ~0.7 s to migrate here: 100 ms is a migration that stalls.
     let report_path = bed.dir().join("move.json");
-    let out = Command::new(bin_dir().join("rdmamig"))
-        .arg("migrate")
-        .arg("--socket")
-        .arg(daemon.socket())
-        .args(["--vm", &src_spec.name, "--qmp"])
-        .arg(src.qmp_socket())
-        .arg("--agent")
-        .arg(src.agent_socket())
-        .args(["--detach", "nic0", "--to-qmp"])
-        .arg(dst.qmp_socket())
-        .arg("--to-agent")
-        .arg(dst.agent_socket())
-        .arg("--attach")
-        .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
-            src_spec.mac
-        ))
-        .arg("--via")
-        .arg(format!("unix:{}", dst.migration_socket_path().display()))
+    let out = migrate_command(daemon.socket(), &src, &dst)
         .args(["--deadline", "migrate=100", "--report"])
         .arg(&report_path)
         .output()

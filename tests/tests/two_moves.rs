@@ -5,36 +5,19 @@
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them. Five
 //! TCG guests at once on two cores: the slowest test-bed test (~60 s).
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, start_traffic, stop_traffic, wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
+    wait_ready,
 };
-use rdmamig_testbed::{bin_dir, error_chain, Guest, GuestSpec, Testbed};
+use rdmamig_testbed::{error_chain, Guest, Testbed};
 use serde_json::Value;
 
-fn migrate(daemon: &Daemon, spec: &GuestSpec, src: &Guest, dst: &Guest) -> Output {
-    Command::new(bin_dir().join("rdmamig"))
-        .arg("migrate")
-        .arg("--socket")
-        .arg(daemon.socket())
-        .args(["--vm", &spec.name, "--qmp"])
-        .arg(src.qmp_socket())
-        .arg("--agent")
-        .arg(src.agent_socket())
-        .args(["--detach", "nic0", "--to-qmp"])
-        .arg(dst.qmp_socket())
-        .arg("--to-agent")
-        .arg(dst.agent_socket())
-        .arg("--attach")
-        .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
-            spec.mac
-        ))
-        .arg("--via")
-        .arg(format!("unix:{}", dst.migration_socket_path().display()))
+fn migrate(daemon: &Daemon, src: &Guest, dst: &Guest) -> Output {
+    migrate_command(daemon.socket(), src, dst)
         .arg("--json")
         .output()
         .unwrap()
@@ -82,8 +65,8 @@ fn two_vms_move_concurrently_and_lose_nothing() {
     let outputs: Vec<Output> = std::thread::scope(|s| {
         let moves: Vec<_> = (0..2)
             .map(|i| {
-                let (daemon, spec, src, dst) = (&daemon, &specs[i], &sources[i], &destinations[i]);
-                s.spawn(move || migrate(daemon, spec, src, dst))
+                let (daemon, src, dst) = (&daemon, &sources[i], &destinations[i]);
+                s.spawn(move || migrate(daemon, src, dst))
             })
             .collect();
         moves.into_iter().map(|m| m.join().unwrap()).collect()
