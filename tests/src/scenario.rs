@@ -15,6 +15,7 @@ use rdmamig_guest::traffic::Report as TrafficReport;
 use rdmamig_migrator::mover::MoveReport;
 use thiserror::Error;
 
+use crate::steps;
 use crate::{Guest, GuestError, Testbed, TestbedError};
 
 /// Where the traffic tool listens on the peer.
@@ -133,6 +134,16 @@ pub enum ScenarioError {
         #[source]
         source: Box<GuestError>,
     },
+    /// A traffic step in a guest failed.
+    #[error("in guest {guest}: {what}: {reason}")]
+    Step {
+        /// The guest.
+        guest: String,
+        /// What the scenario was doing.
+        what: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
     /// The migrator could not be started or run.
     #[error("running {program}")]
     Spawn {
@@ -248,18 +259,24 @@ pub fn run(
     for i in 0..processes {
         let server = format!("{}:{}", peer_spec.address(), TRAFFIC_PORT + i as u16);
         let common = format!(
-            "--mode {} --rate {} --connections {} --report /run/traffic{i}.json \
-             --ready-file /run/traffic{i}.ready",
+            "--mode {} --rate {} --connections {}",
             config.strategy.traffic_mode(),
             config.rate,
             config.connections
         );
-        start_traffic(&peer, i, &format!("serve --listen {server} {common}"))?;
-        start_traffic(&src, i, &format!("connect --to {server} {common}"))?;
+        for (guest, args) in [
+            (&peer, format!("serve --listen {server} {common}")),
+            (&src, format!("connect --to {server} {common}")),
+        ] {
+            let started = steps::start_traffic(guest, &traffic_tag(i), &args);
+            step(guest, "starting the traffic tool", started)?;
+        }
     }
     for i in 0..processes {
-        wait_ready(&peer, i)?;
-        wait_ready(&src, i)?;
+        for guest in [&peer, &src] {
+            let ready = steps::wait_ready(guest, &traffic_tag(i));
+            step(guest, "waiting for the traffic tool to connect", ready)?;
+        }
     }
     std::thread::sleep(config.before);
 
@@ -322,8 +339,10 @@ pub fn run(
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
     for i in 0..processes {
-        signal_traffic(&dst, i)?;
-        signal_traffic(peer, i)?;
+        for guest in [&dst, peer] {
+            let stopped = steps::stop_traffic(guest, &traffic_tag(i));
+            step(guest, "stopping the traffic tool", stopped)?;
+        }
     }
     let mover = collect_reports(&dst, processes)?;
     let peer_report = collect_reports(peer, processes)?;
@@ -389,85 +408,38 @@ fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
     Ok(guest_ms as i64 - ((before + after) / 2) as i64)
 }
 
-fn start_traffic(guest: &Guest, i: u32, args: &str) -> Result<(), ScenarioError> {
-    guest
-        .run_ok(
-            &format!(
-                "rm -f /run/traffic{i}.json /run/traffic{i}.ready; \
-                 rdmamig-traffic {args} >/run/traffic{i}.out 2>/run/traffic{i}.err & \
-                 echo $! >/run/traffic{i}.pid"
-            ),
-            COMMAND_TIMEOUT,
-        )
-        .map(drop)
-        .map_err(|source| ScenarioError::Guest {
-            guest: guest.name().into(),
-            what: "starting the traffic tool",
-            source: Box::new(source),
-        })
+/// The traffic tool's tag (its files in the guest) for process `i` of the scenario.
+fn traffic_tag(i: u32) -> String {
+    format!("traffic{i}")
 }
 
-fn wait_ready(guest: &Guest, i: u32) -> Result<(), ScenarioError> {
-    guest
-        .run_ok(
-            &format!(
-                "i=0; while [ ! -e /run/traffic{i}.ready ]; do \
-                 kill -0 $(cat /run/traffic{i}.pid) 2>/dev/null || {{ cat /run/traffic{i}.err; exit 1; }}; \
-                 i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done"
-            ),
-            COMMAND_TIMEOUT,
-        )
-        .map(drop)
-        .map_err(|source| ScenarioError::Guest {
-            guest: guest.name().into(),
-            what: "waiting for the traffic tool to connect",
-            source: Box::new(source),
-        })
-}
-
-fn signal_traffic(guest: &Guest, i: u32) -> Result<(), ScenarioError> {
-    guest
-        .run_ok(
-            &format!("kill -INT $(cat /run/traffic{i}.pid)"),
-            COMMAND_TIMEOUT,
-        )
-        .map(drop)
-        .map_err(|source| ScenarioError::Guest {
-            guest: guest.name().into(),
-            what: "stopping the traffic tool",
-            source: Box::new(source),
-        })
+/// Runs one of the shared traffic steps on `guest`, naming what the scenario was doing.
+fn step<T>(
+    guest: &Guest,
+    what: &'static str,
+    result: crate::steps::StepResult<T>,
+) -> Result<T, ScenarioError> {
+    result.map_err(|source| ScenarioError::Step {
+        guest: guest.name().into(),
+        what,
+        reason: source.to_string(),
+    })
 }
 
 /// Collects the reports of the `processes` traffic processes of `guest`, summed.
 fn collect_reports(guest: &Guest, processes: u32) -> Result<TrafficReport, ScenarioError> {
     let reports = (0..processes)
-        .map(|i| collect_report(guest, i))
+        .map(|i| {
+            step(
+                guest,
+                "collecting the traffic report",
+                steps::collect_report(guest, &traffic_tag(i)),
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     TrafficReport::merge(reports).ok_or_else(|| ScenarioError::Report {
         guest: guest.name().into(),
         reason: "no traffic process".into(),
-    })
-}
-
-fn collect_report(guest: &Guest, i: u32) -> Result<TrafficReport, ScenarioError> {
-    let json = guest
-        .run_ok(
-            &format!(
-                "i=0; while [ ! -s /run/traffic{i}.json ]; do \
-                 i=$((i+1)); [ $i -gt 600 ] && {{ cat /run/traffic{i}.err; exit 1; }}; sleep 0.05; done; \
-                 cat /run/traffic{i}.json"
-            ),
-            COMMAND_TIMEOUT,
-        )
-        .map_err(|source| ScenarioError::Guest {
-            guest: guest.name().into(),
-            what: "collecting the traffic report",
-            source: Box::new(source),
-        })?;
-    serde_json::from_str(&json).map_err(|e| ScenarioError::Report {
-        guest: guest.name().into(),
-        reason: e.to_string(),
     })
 }
 
