@@ -238,21 +238,9 @@ pub fn run(
     config: &ScenarioConfig,
 ) -> Result<ScenarioOutcome, ScenarioError> {
     let tag = config.strategy.migrator_name();
-    let peer_spec = bed.guest_spec(&format!("{tag}-peer")).map_err(Box::new)?;
-    let src_spec = bed.guest_spec(&format!("{tag}-src")).map_err(Box::new)?;
-    let dst_spec = bed
-        .incoming_spec(&src_spec, &format!("{tag}-dst"))
-        .map_err(Box::new)?;
-    let (peer, src) = std::thread::scope(|s| {
-        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-        (
-            peer.join().expect("boot thread"),
-            src.join().expect("boot thread"),
-        )
-    });
-    let (peer, src) = (peer.map_err(Box::new)?, src.map_err(Box::new)?);
-    let dst = bed.start_incoming(dst_spec).map_err(Box::new)?;
+    let steps::MoveGuests { peer, src, dst } =
+        steps::MoveGuests::start(bed, tag).map_err(Box::new)?;
+    let peer_spec = peer.spec().clone();
 
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;
     let processes = config.processes.max(1);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use rdmamig_guest::traffic::Report;
 use serde_json::{json, Value};
 
-use crate::{bin_dir, Guest};
+use crate::{bin_dir, Guest, Testbed, TestbedError};
 
 /// Bound on every console command these steps run.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -170,4 +170,45 @@ pub fn migrate_command(socket: &Path, src: &Guest, dst: &Guest) -> Command {
         .arg("--via")
         .arg(format!("unix:{}", dst.migration_socket_path().display()));
     command
+}
+
+/// What a move needs on the test bed: a peer, the VM that moves, and its `-incoming`
+/// destination (same address and MAC, no NIC yet).
+pub struct MoveGuests {
+    /// The peer VM, which stays put.
+    pub peer: Guest,
+    /// The VM that moves.
+    pub src: Guest,
+    /// The destination QEMU, waiting for the migration.
+    pub dst: Guest,
+}
+
+impl MoveGuests {
+    /// Boots `<prefix>-peer` and `<prefix>-src` side by side, then starts `<prefix>-dst`.
+    pub fn start(bed: &Testbed, prefix: &str) -> Result<MoveGuests, TestbedError> {
+        let peer_spec = bed.guest_spec(&format!("{prefix}-peer"))?;
+        let src_spec = bed.guest_spec(&format!("{prefix}-src"))?;
+        let dst_spec = bed.incoming_spec(&src_spec, &format!("{prefix}-dst"))?;
+        let (peer, src) = std::thread::scope(|s| {
+            let peer = s.spawn(|| bed.start_guest(peer_spec));
+            let src = s.spawn(|| bed.start_guest(src_spec));
+            (
+                peer.join().expect("boot thread"),
+                src.join().expect("boot thread"),
+            )
+        });
+        let (peer, src) = (peer?, src?);
+        let dst = bed.start_incoming(dst_spec)?;
+        Ok(MoveGuests { peer, src, dst })
+    }
+
+    /// Starts traffic `tag` both ways between the peer (serving on port 7471) and the
+    /// moving VM, with `args` added on both sides, and waits until both are connected.
+    pub fn start_flow(&self, tag: &str, args: &str) -> StepResult<()> {
+        let server = format!("{}:7471", self.peer.spec().address());
+        start_traffic(&self.peer, tag, &format!("serve --listen {server} {args}"))?;
+        start_traffic(&self.src, tag, &format!("connect --to {server} {args}"))?;
+        wait_ready(&self.peer, tag)?;
+        wait_ready(&self.src, tag)
+    }
 }

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
-    wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
 };
 use rdmamig_testbed::{error_chain, Testbed};
 use serde_json::Value;
@@ -21,23 +20,11 @@ const TAG: &str = "flow";
 fn a_destination_without_a_free_function_refuses_the_move_before_touching_the_vm() {
     let bed = Testbed::new("nofunction").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let peer_spec = bed.guest_spec("nf-peer").unwrap();
-    let src_spec = bed.guest_spec("nf-src").unwrap();
-    let dst_spec = bed.incoming_spec(&src_spec, "nf-dst").unwrap();
-    let (peer, src) = std::thread::scope(|s| {
-        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-        (peer.join().unwrap(), src.join().unwrap())
-    });
-    let (peer, src) = (peer.unwrap(), src.unwrap());
-    let dst = bed.start_incoming(dst_spec).unwrap();
-
-    let server = format!("{}:7471", peer_spec.address());
-    let common = "--mode migratable --rate 200";
-    start_traffic(&peer, TAG, &format!("serve --listen {server} {common}")).unwrap();
-    start_traffic(&src, TAG, &format!("connect --to {server} {common}")).unwrap();
-    wait_ready(&peer, TAG).unwrap();
-    wait_ready(&src, TAG).unwrap();
+    let guests = MoveGuests::start(&bed, "nf").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    guests
+        .start_flow(TAG, "--mode migratable --rate 200")
+        .unwrap();
+    let MoveGuests { peer, src, dst } = guests;
     std::thread::sleep(Duration::from_secs(2));
 
     // The daemon runs without a config: its pool is empty.

@@ -11,8 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
-    wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
 };
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
 use serde_json::Value;
@@ -66,23 +65,11 @@ fn a_migrator_killed_after_the_migration_is_finished_by_its_successor_and_loses_
     let bed = Testbed::new("restart").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let mut daemon = Daemon::start(bed.dir(), Some("attach"));
     let socket = bed.dir().join("rdmamig.sock");
-    let peer_spec = bed.guest_spec("rs-peer").unwrap();
-    let src_spec = bed.guest_spec("rs-src").unwrap();
-    let dst_spec = bed.incoming_spec(&src_spec, "rs-dst").unwrap();
-    let (peer, src) = std::thread::scope(|s| {
-        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-        (peer.join().unwrap(), src.join().unwrap())
-    });
-    let (peer, src) = (peer.unwrap(), src.unwrap());
-    let dst = bed.start_incoming(dst_spec).unwrap();
-
-    let server = format!("{}:7471", peer_spec.address());
-    let common = "--mode migratable --rate 200";
-    start_traffic(&peer, TAG, &format!("serve --listen {server} {common}")).unwrap();
-    start_traffic(&src, TAG, &format!("connect --to {server} {common}")).unwrap();
-    wait_ready(&peer, TAG).unwrap();
-    wait_ready(&src, TAG).unwrap();
+    let guests = MoveGuests::start(&bed, "rs").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    guests
+        .start_flow(TAG, "--mode migratable --rate 200")
+        .unwrap();
+    let MoveGuests { peer, src, dst } = guests;
     std::thread::sleep(Duration::from_secs(2));
 
     let out = migrate_command(&socket, &src, &dst).output().unwrap();

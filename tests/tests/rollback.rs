@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
-    wait_ready,
+    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
 };
 use rdmamig_testbed::{error_chain, Testbed};
 use serde_json::Value;
@@ -21,23 +20,11 @@ const TAG: &str = "flow";
 fn a_migration_cancelled_midway_rolls_back_and_loses_nothing() {
     let bed = Testbed::new("rollback").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let peer_spec = bed.guest_spec("rb-peer").unwrap();
-    let src_spec = bed.guest_spec("rb-src").unwrap();
-    let dst_spec = bed.incoming_spec(&src_spec, "rb-dst").unwrap();
-    let (peer, src) = std::thread::scope(|s| {
-        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-        (peer.join().unwrap(), src.join().unwrap())
-    });
-    let (peer, src) = (peer.unwrap(), src.unwrap());
-    let dst = bed.start_incoming(dst_spec).unwrap();
-
-    let server = format!("{}:7471", peer_spec.address());
-    let common = "--mode migratable --rate 200";
-    start_traffic(&peer, TAG, &format!("serve --listen {server} {common}")).unwrap();
-    start_traffic(&src, TAG, &format!("connect --to {server} {common}")).unwrap();
-    wait_ready(&peer, TAG).unwrap();
-    wait_ready(&src, TAG).unwrap();
+    let guests = MoveGuests::start(&bed, "rb").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    guests
+        .start_flow(TAG, "--mode migratable --rate 200")
+        .unwrap();
+    let MoveGuests { peer, src, dst } = guests;
     std::thread::sleep(Duration::from_secs(2));
 
     // A 512 MiB guest takes ~0.7 s to migrate here: 100 ms is a migration that stalls.
