@@ -175,15 +175,18 @@ has_addr() {{
   $IP -o -4 addr show dev "$1" 2>/dev/null | grep -q " ${{addr%/*}}/"
 }}
 
+# Does only what is missing, so a pass triggered by the link events of an earlier pass never
+# disturbs a NIC that is already up: replacing the address of a working NIC re-announces it,
+# and its Soft-RoCE GID table changes under running programs.
 configure() {{
   dev=$1
-  # A Soft-RoCE link alone is not enough: right after a swap of the NIC the old one's link
-  # may still be listed under the same name while the new netdev has no address yet.
-  [ -n "$(rxe_of "$dev")" ] && has_addr "$dev" && return 0
-  log "$dev: configuring"
-  if [ -n "$addr" ]; then
+  rxe=$(rxe_of "$dev")
+  [ -n "$rxe" ] && has_addr "$dev" && return 0
+  log "$dev: configuring (soft-roce: ${{rxe:-none}})"
+  if ! has_addr "$dev"; then
     $IP addr replace "$addr" dev "$dev" || log "$dev: cannot set address $addr"
   fi
+  # A no-op when the link is already up.
   $IP link set "$dev" up || {{ log "$dev: cannot set the link up"; return 1; }}
   n=0
   until [ "$(cat "/sys/class/net/$dev/carrier" 2>/dev/null)" = 1 ]; do
@@ -191,9 +194,11 @@ configure() {{
     if [ $n -gt 200 ]; then log "$dev: no carrier after 10 s"; return 1; fi
     sleep 0.05
   done
+  [ -n "$rxe" ] && {{ log "$dev: address set"; return 0; }}
   # The Soft-RoCE device of a NIC just unplugged may still be unregistering under this name.
   n=0
   until $RDMA link add "rxe_$dev" type rxe netdev "$dev"; do
+    [ -n "$(rxe_of "$dev")" ] && break
     n=$((n + 1))
     if [ $n -gt 20 ]; then log "$dev: rdma link add failed"; return 1; fi
     sleep 0.1
