@@ -40,6 +40,11 @@ pub enum ClientRequest {
     },
     /// The pool's functions and their states.
     Pool,
+    /// Put a quarantined function back into the pool (after it passes its reset).
+    PoolReturn {
+        /// The function's name.
+        function: String,
+    },
 }
 
 /// A running move, as `rdmamig status` shows it.
@@ -104,6 +109,13 @@ pub enum DaemonMessage {
     Pool {
         /// Every function with its state.
         functions: Vec<FunctionStatus>,
+    },
+    /// The answer to [`ClientRequest::PoolReturn`]: the function is free again.
+    Returned {
+        /// The function.
+        function: String,
+        /// What its check did (e.g. `0000:3b:00.2 reset`).
+        check: String,
     },
     /// The request was not run; nothing follows.
     Rejected {

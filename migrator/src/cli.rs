@@ -105,7 +105,8 @@ pub async fn migrate(
             Some(
                 DaemonMessage::Status { .. }
                 | DaemonMessage::History { .. }
-                | DaemonMessage::Pool { .. },
+                | DaemonMessage::Pool { .. }
+                | DaemonMessage::Returned { .. },
             ) => return Err(CliError::Unexpected { request: "migrate" }),
             None => return Err(CliError::NoReport),
         }
@@ -245,6 +246,9 @@ pub fn render_answer(answer: &DaemonMessage) -> String {
                 };
                 let _ = writeln!(text, "{:<12} {:<40} {state}", f.name, how);
             }
+        }
+        DaemonMessage::Returned { function, check } => {
+            let _ = writeln!(text, "{function}: {check}; back in the pool (free)");
         }
         DaemonMessage::Report { report } => text = render_report(report),
         DaemonMessage::Event { event } => text = render_event(event) + "\n",

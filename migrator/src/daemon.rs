@@ -35,6 +35,7 @@ use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
 use crate::peer::{Destination, PeerTls};
 use crate::plan::MovePlan;
+use crate::retention::{self, Retention};
 use crate::timeline::unix_ms;
 
 /// Time a client has to send its request after connecting.
@@ -55,6 +56,8 @@ pub struct DaemonConfig {
     pub metrics: Option<std::net::SocketAddr>,
     /// Where to serve the destination's duties to other migrators (mutual TLS), if anywhere.
     pub peer: Option<(String, PeerTls)>,
+    /// How many finished moves' journals and reports to keep.
+    pub retention: Retention,
 }
 
 /// Why the daemon could not run.
@@ -192,6 +195,7 @@ impl Shared {
             }
             Err(e) => tracing::error!("{e}"),
         }
+        self.prune();
         match &report.error {
             None => tracing::info!(
                 move_id = %report.id,
@@ -205,6 +209,23 @@ impl Shared {
                 outcome = %report.final_phase,
                 "move did not complete: {error}"
             ),
+        }
+    }
+}
+
+impl Shared {
+    /// Removes the files of finished moves the retention does not keep.
+    fn prune(&self) {
+        let pruned = retention::prune(
+            &self.moves_dir(),
+            &self.config.retention,
+            std::time::SystemTime::now(),
+        );
+        if !pruned.moves.is_empty() {
+            tracing::info!(moves = ?pruned.moves, "pruned the journals and reports of old moves");
+        }
+        for failure in pruned.failures {
+            tracing::warn!("cannot prune {failure}");
         }
     }
 }
@@ -270,6 +291,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut clients = JoinSet::new();
     let unfinished = journal::unfinished(&shared.moves_dir()).map_err(DaemonError::Journals)?;
+    shared.prune();
     for (path, replay) in unfinished {
         let shared = shared.clone();
         shared.register_recovery(
@@ -391,6 +413,27 @@ async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
         ClientRequest::Pool => {
             let functions = shared.config.context.pool.list();
             forward(&mut channel, &DaemonMessage::Pool { functions }).await;
+        }
+        ClientRequest::PoolReturn { function } => {
+            let pool = shared.config.context.pool.clone();
+            // The check may reset a real device: off the async threads.
+            let name = function.clone();
+            let checked = tokio::task::spawn_blocking(move || {
+                pool.return_to_pool(&name, crate::pool::reset)
+                    .map_err(|e| error_chain(&e))
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("internal error: the check ended abnormally: {e}")));
+            match checked {
+                Ok(check) => {
+                    tracing::info!(%function, %check, "function returned to the pool");
+                    forward(&mut channel, &DaemonMessage::Returned { function, check }).await;
+                }
+                Err(reason) => {
+                    tracing::warn!(%function, "refused to return a function to the pool: {reason}");
+                    reject(&mut channel, reason).await;
+                }
+            }
         }
         ClientRequest::Status => {
             let mut moves: Vec<RunningMove> = lock(&shared.running).values().cloned().collect();

@@ -16,6 +16,7 @@
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
+//! - [`retention`]: pruning the journals and reports of finished moves;
 //! - [`peer`]: the destination's duties between migrators, over mutual TLS;
 //! - [`metrics`]: the daemon's Prometheus metrics;
 //! - [`cli`]: how the CLI shows progress and the final timeline;
@@ -34,6 +35,7 @@ pub mod mover;
 pub mod peer;
 pub mod plan;
 pub mod pool;
+pub mod retention;
 pub mod svg;
 pub mod timeline;
 pub mod vfio;

@@ -15,6 +15,7 @@ use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, QemuBacken
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
 use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
+use rdmamig_migrator::retention::Retention;
 use rdmamig_vmm::DeviceSpec;
 
 /// The daemon socket when none is given.
@@ -72,15 +73,25 @@ enum Command {
         /// How many moves (of different VMs) may run at once.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
         max_moves: u16,
+        /// Keep the journals and reports of at most this many finished moves (the newest);
+        /// an unfinished move's journal is never pruned.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        keep_moves: u32,
+        /// Also prune finished moves older than this many days.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        keep_moves_days: Option<u32>,
     },
-    /// This host's passthrough functions and their states.
+    /// This host's passthrough functions and their states; `pool return NAME` puts a
+    /// quarantined function back into use once it passes its reset.
     Pool {
         /// The daemon's socket.
-        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
+        #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET, global = true)]
         socket: PathBuf,
         /// Print JSON.
-        #[arg(long)]
+        #[arg(long, global = true)]
         json: bool,
+        #[command(subcommand)]
+        action: Option<PoolAction>,
     },
     /// The moves running now.
     Status {
@@ -134,6 +145,17 @@ Tighter deadlines for the unplug and the migration:\n  \
 ... --deadline detach=2000 --deadline migrate=30000"
     )]
     Migrate(Box<MigrateArgs>),
+}
+
+#[derive(Subcommand)]
+enum PoolAction {
+    /// Put a quarantined function back into the pool after you fixed it. The daemon resets
+    /// it first (a VF through VFIO: bound to vfio-pci, viable IOMMU group, reset supported)
+    /// and refuses, leaving it quarantined, when that fails; any other state is refused.
+    Return {
+        /// The function's name (see `rdmamig pool`).
+        function: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -221,6 +243,8 @@ fn main() -> ExitCode {
             config,
             metrics,
             max_moves,
+            keep_moves,
+            keep_moves_days,
         } => {
             let (pool, peer) = match open_pool(config.as_deref(), &state_dir) {
                 Ok(opened) => opened,
@@ -252,6 +276,11 @@ fn main() -> ExitCode {
                 max_moves: usize::from(max_moves),
                 metrics,
                 peer,
+                retention: Retention {
+                    keep: keep_moves as usize,
+                    max_age: keep_moves_days
+                        .map(|days| std::time::Duration::from_secs(u64::from(days) * 86_400)),
+                },
                 context: MoveContext {
                     backends: Arc::new(QemuBackends),
                     pool: Arc::new(pool),
@@ -267,8 +296,16 @@ fn main() -> ExitCode {
             }
         }
         Command::Migrate(args) => migrate(&runtime, *args),
-        Command::Pool { socket, json } => {
-            query(&runtime, &socket, ClientRequest::Pool, output(json), None)
+        Command::Pool {
+            socket,
+            json,
+            action,
+        } => {
+            let request = match action {
+                None => ClientRequest::Pool,
+                Some(PoolAction::Return { function }) => ClientRequest::PoolReturn { function },
+            };
+            query(&runtime, &socket, request, output(json), None)
         }
         Command::Status { socket, json } => {
             query(&runtime, &socket, ClientRequest::Status, output(json), None)

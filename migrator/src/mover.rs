@@ -45,7 +45,6 @@ use crate::machine::{transition, InvalidTransition, Phase};
 use crate::plan::{Endpoint, MovePlan, Strategy};
 use crate::pool::{device_for, Attachment, Pool, PoolError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
-use crate::vfio::{Sysfs, VfioFunction};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
 /// a phase has its own deadline, so this only catches a call that ignores it.
@@ -1003,11 +1002,7 @@ impl Mover {
     /// still posted to it, before it may go back to the pool.
     fn reset_source_function(&self, name: &str) -> Result<String, String> {
         match self.context.pool.attachment(name) {
-            Some(Attachment::Vfio { pci }) => VfioFunction::open(&Sysfs::default(), &pci)
-                .and_then(|f| f.reset())
-                .map(|()| format!("{pci} reset"))
-                .map_err(|e| error_chain(&e)),
-            Some(Attachment::Emulated { .. }) => Ok("emulated: nothing to reset".into()),
+            Some(attachment) => crate::pool::reset(&attachment),
             None => Err(format!("no function {name} in this host's pool")),
         }
     }

@@ -47,6 +47,7 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 
 use crate::timeline::unix_ms;
+use crate::vfio::{Sysfs, VfioFunction};
 
 /// How long a reservation holds when the config does not say.
 const DEFAULT_RESERVATION_S: u64 = 300;
@@ -239,6 +240,15 @@ pub enum PoolError {
         /// What the operation needed.
         expected: &'static str,
     },
+    /// A quarantined function failed the check that must pass before it is handed out
+    /// again; it stays quarantined.
+    #[error("pool function {name} stays quarantined: its check failed: {reason}")]
+    CheckFailed {
+        /// The function.
+        name: String,
+        /// What the check said.
+        reason: String,
+    },
 }
 
 impl Config {
@@ -417,6 +427,38 @@ impl Pool {
         self.change(name, |_| Ok(()), to)
     }
 
+    /// Puts a quarantined function back into use after an operator fixed it: `check`
+    /// (normally [`reset`]) must pass first. Anything but a quarantined function is refused,
+    /// and a failed check leaves it quarantined; neither changes any state. Returns what
+    /// the check said.
+    pub fn return_to_pool(
+        &self,
+        name: &str,
+        check: impl FnOnce(&Attachment) -> Result<String, String>,
+    ) -> Result<String, PoolError> {
+        let mut states = self.lock();
+        let state = states
+            .get(name)
+            .ok_or_else(|| PoolError::Unknown { name: name.into() })?;
+        if !matches!(state, FunctionState::Quarantined { .. }) {
+            return Err(PoolError::WrongState {
+                name: name.into(),
+                state: describe(state),
+                expected: "only a quarantined function is returned to the pool",
+            });
+        }
+        // Under the lock: no move may take the function while it is being checked.
+        let checked = check(&self.functions[name]).map_err(|reason| PoolError::CheckFailed {
+            name: name.into(),
+            reason,
+        })?;
+        let mut next = states.clone();
+        next.insert(name.into(), FunctionState::Free);
+        self.save(&next)?;
+        *states = next;
+        Ok(checked)
+    }
+
     /// The state of one function, as saved (an expired reservation still shows).
     pub fn state(&self, name: &str) -> Option<FunctionState> {
         self.lock().get(name).cloned()
@@ -502,6 +544,20 @@ fn is_pci_address(text: &str) -> bool {
         && hex(8..10)
         && b[10] == b'.'
         && (b'0'..=b'7').contains(&b[11])
+}
+
+/// Resets a function so that it stops processing anything still posted to it: a VF through
+/// VFIO (open checks that it is bound to vfio-pci and its IOMMU group is viable; a device
+/// without reset is an error), an emulated function has nothing to reset. Returns what was
+/// done, or why it failed.
+pub fn reset(attachment: &Attachment) -> Result<String, String> {
+    match attachment {
+        Attachment::Vfio { pci } => VfioFunction::open(&Sysfs::default(), pci)
+            .and_then(|f| f.reset())
+            .map(|()| format!("{pci} reset"))
+            .map_err(|e| crate::mover::error_chain(&e)),
+        Attachment::Emulated { .. } => Ok("emulated: nothing to reset".into()),
+    }
 }
 
 /// The device a move plugs: the function's own properties over the move's `--attach`
@@ -625,6 +681,63 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("the pool has no functions"));
+    }
+
+    #[test]
+    fn only_a_quarantined_function_that_passes_its_check_returns_to_the_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pool.json");
+        let pool = Pool::open(&config(), &file).unwrap();
+        let never = |_: &Attachment| -> Result<String, String> { panic!("checked") };
+        let err = pool.return_to_pool("tap1", never).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "pool function tap1 is free, only a quarantined function is returned to the pool"
+        );
+        assert!(matches!(
+            pool.return_to_pool("nope", never),
+            Err(PoolError::Unknown { .. })
+        ));
+        pool.quarantine("vf0", "reset failed").unwrap();
+        let err = pool
+            .return_to_pool("vf0", |_| Err("no reset".into()))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "pool function vf0 stays quarantined: its check failed: no reset"
+        );
+        let quarantined = Some(FunctionState::Quarantined {
+            reason: "reset failed".into(),
+        });
+        assert_eq!(pool.state("vf0"), quarantined);
+        drop(pool);
+        // Nothing was written by the refusals: the quarantine survives a restart as it was.
+        let pool = Pool::open(&config(), &file).unwrap();
+        assert_eq!(pool.state("vf0"), quarantined);
+        let said = pool
+            .return_to_pool("vf0", |a| match a {
+                Attachment::Vfio { pci } => Ok(format!("{pci} reset")),
+                other => panic!("{other:?}"),
+            })
+            .unwrap();
+        assert_eq!(said, "0000:3b:00.2 reset");
+        drop(pool);
+        let pool = Pool::open(&config(), &file).unwrap();
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+        assert_eq!(pool.reserve("m").unwrap().0, "tap1");
+        assert_eq!(pool.reserve("m2").unwrap().0, "vf0");
+    }
+
+    #[test]
+    fn a_function_that_is_not_a_usable_vf_fails_its_reset() {
+        let missing = Attachment::Vfio {
+            pci: "0000:7f:1f.7".into(),
+        };
+        assert!(reset(&missing).is_err());
+        let emulated = Attachment::Emulated {
+            properties: Map::new(),
+        };
+        assert_eq!(reset(&emulated).unwrap(), "emulated: nothing to reset");
     }
 
     #[test]

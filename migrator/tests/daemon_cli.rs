@@ -729,3 +729,63 @@ fn usage_errors_and_an_absent_daemon_have_their_own_exit_codes() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the rdmamig daemon"));
 }
+
+/// `rdmamig pool return`: a quarantined function passes its reset and is free again; one
+/// whose reset fails (a VF that is not there), one that is not quarantined and an unknown
+/// name are refused with the reason, exit status 3, and stay as they were.
+#[test]
+fn a_quarantined_function_returns_to_the_pool_only_after_its_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("rdmamig.toml"),
+        "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n\n\
+         [[pool.function]]\nname = \"vf0\"\npci = \"0000:7f:1f.7\"\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.path().join("state")).unwrap();
+    let quarantined = r#"{"state":"quarantined","reason":"reset failed"}"#;
+    std::fs::write(
+        dir.path().join("state/pool.json"),
+        format!(r#"{{"tap0":{quarantined},"vf0":{quarantined}}}"#),
+    )
+    .unwrap();
+    let _daemon = start_daemon(dir.path(), None);
+    let pool = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+            .arg("pool")
+            .args(args)
+            .arg("--socket")
+            .arg(dir.path().join("rdmamig.sock"))
+            .output()
+            .unwrap()
+    };
+
+    let out = pool(&["return", "tap0"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "tap0: emulated: nothing to reset; back in the pool (free)\n"
+    );
+    for (args, reason) in [
+        (
+            ["return", "tap0"],
+            "pool function tap0 is free, only a quarantined function is returned to the pool",
+        ),
+        (
+            ["return", "vf0"],
+            "pool function vf0 stays quarantined: its check failed: ",
+        ),
+        (["return", "vf9"], "no function \"vf9\" in the pool"),
+    ] {
+        let out = pool(&args);
+        assert_eq!(out.status.code(), Some(3), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(reason), "{args:?}: {stderr}");
+    }
+    let out = pool(&["--json"]);
+    let states: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(states[0]["name"], "tap0");
+    assert_eq!(states[0]["state"]["state"], "free");
+    assert_eq!(states[1]["name"], "vf0");
+    assert_eq!(states[1]["state"]["reason"], "reset failed");
+}
