@@ -20,6 +20,7 @@
 mod credits;
 mod failure;
 mod listener;
+mod onesided;
 mod probe;
 pub mod wire;
 pub(crate) mod worker;
@@ -37,6 +38,7 @@ use thiserror::Error;
 
 pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;
+pub use onesided::{Access, Exposed, RemoteBuffer};
 pub use probe::{probe_resume, ProbeAnswer};
 pub use wire::RejectReason;
 
@@ -194,6 +196,56 @@ pub enum ConnError {
         #[source]
         source: std::io::Error,
     },
+    /// The peer has not exposed a buffer under this handle (within the wait).
+    #[error(
+        "connection {id:016x}: the peer exposed no buffer with handle {handle} (waited {after:?})"
+    )]
+    UnknownHandle {
+        /// The connection.
+        id: ConnectionId,
+        /// The handle.
+        handle: u64,
+        /// How long it waited for the peer's map.
+        after: Duration,
+    },
+    /// A range outside the buffer.
+    #[error("{len} bytes at offset {offset} are outside buffer {handle} of {size} bytes")]
+    OutOfBounds {
+        /// The buffer's handle.
+        handle: u64,
+        /// Start of the range.
+        offset: u64,
+        /// Its length.
+        len: usize,
+        /// The buffer's size.
+        size: u64,
+    },
+    /// The peer did not expose the buffer for this operation.
+    #[error("buffer {handle} does not allow RDMA {op}")]
+    NotPermitted {
+        /// The buffer's handle.
+        handle: u64,
+        /// write or read.
+        op: &'static str,
+    },
+    /// This side already exposed a buffer under the handle.
+    #[error("a buffer with handle {handle} is already exposed")]
+    HandleInUse {
+        /// The handle.
+        handle: u64,
+    },
+    /// One-sided operations did not complete before the deadline.
+    #[error("{op} on connection {id:016x} timed out after {after:?}: {pending} one-sided operations pending")]
+    OneSidedTimedOut {
+        /// The connection.
+        id: ConnectionId,
+        /// flush_writes or read.
+        op: &'static str,
+        /// The deadline.
+        after: Duration,
+        /// Operations still queued.
+        pending: usize,
+    },
     /// The operation is not valid in the connection's state.
     #[error("connection {id:016x}: cannot {op} while {state:?}")]
     InvalidState {
@@ -220,6 +272,8 @@ pub struct ConnStats {
     pub replayed: u64,
     /// Duplicate messages dropped on receipt.
     pub duplicates_dropped: u64,
+    /// One-sided operations (WRITE, READ) posted again on a new QP.
+    pub onesided_replayed: u64,
     /// Link-level events the connection recovered from (not errors for the application).
     pub link_events: Vec<String>,
 }
@@ -246,6 +300,8 @@ pub(crate) struct State {
     pub(crate) local: String,
     pub(crate) peer: String,
     pub(crate) stats: ConnStats,
+    /// Exposed buffers, the peer's map and the queue of WRITEs and READs.
+    pub(crate) onesided: onesided::OneSided,
 }
 
 pub(crate) enum Command {
@@ -309,6 +365,7 @@ impl ConnShared {
                 local: String::new(),
                 peer: String::new(),
                 stats: ConnStats::default(),
+                onesided: Default::default(),
             }),
             cond: Condvar::new(),
             wake,
@@ -526,6 +583,15 @@ impl Connection {
             return Err(ConnError::PeerClosed { id });
         }
         Ok(())
+    }
+
+    /// Waits on the shared state's condition for at most `timeout`.
+    fn wait<'a>(&self, st: MutexGuard<'a, State>, timeout: Duration) -> MutexGuard<'a, State> {
+        self.shared
+            .cond
+            .wait_timeout(st, timeout)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
     }
 
     /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.

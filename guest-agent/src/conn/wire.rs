@@ -80,6 +80,8 @@ pub enum Kind {
     PauseAck = 4,
     /// The sender closed the connection; no resume will follow.
     Close = 5,
+    /// The sender's exposed buffers as registered on this QP: [`RegionEntry`] records.
+    Regions = 6,
 }
 
 impl Kind {
@@ -90,6 +92,7 @@ impl Kind {
             3 => Kind::Pause,
             4 => Kind::PauseAck,
             5 => Kind::Close,
+            6 => Kind::Regions,
             kind => return Err(WireError::BadKind { kind }),
         })
     }
@@ -171,6 +174,17 @@ impl Header {
                 reason: "data without a sequence number",
             }),
             Kind::Data => Ok(header),
+            Kind::Regions if header.seq != 0 => Err(WireError::Malformed {
+                kind,
+                reason: "control message with a sequence number",
+            }),
+            Kind::Regions if !(len as usize).is_multiple_of(REGION_ENTRY_LEN) => {
+                Err(WireError::Malformed {
+                    kind,
+                    reason: "payload is not a whole number of region records",
+                })
+            }
+            Kind::Regions => Ok(header),
             _ if len != 0 => Err(WireError::Malformed {
                 kind,
                 reason: "control message with a payload",
@@ -187,6 +201,74 @@ impl Header {
     pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), WireError> {
         let header = Self::check(buf)?;
         Ok((header, &buf[HEADER_LEN..]))
+    }
+}
+
+/// Bytes of one [`RegionEntry`] in a REGIONS message.
+pub const REGION_ENTRY_LEN: usize = 8 + 8 + 8 + 4 + 1;
+/// [`RegionEntry::access`] bit: the peer may RDMA WRITE.
+pub const ACCESS_WRITE: u8 = 1;
+/// [`RegionEntry::access`] bit: the peer may RDMA READ.
+pub const ACCESS_READ: u8 = 2;
+
+/// One exposed buffer as registered on the current QP: what the peer needs to name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionEntry {
+    /// The application's stable handle.
+    pub handle: u64,
+    /// The buffer's address in this registration.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// The registration's remote key (new on every device).
+    pub rkey: u32,
+    /// [`ACCESS_WRITE`] | [`ACCESS_READ`].
+    pub access: u8,
+}
+
+impl RegionEntry {
+    /// Appends the record to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.handle.to_be_bytes());
+        out.extend_from_slice(&self.addr.to_be_bytes());
+        out.extend_from_slice(&self.len.to_be_bytes());
+        out.extend_from_slice(&self.rkey.to_be_bytes());
+        out.push(self.access);
+    }
+
+    /// Decodes the records of a REGIONS payload (checked by [`Header::check`] to be a whole
+    /// number of records; anything else is [`WireError::Malformed`]).
+    pub fn decode_all(payload: &[u8]) -> Result<Vec<RegionEntry>, WireError> {
+        if !payload.len().is_multiple_of(REGION_ENTRY_LEN) {
+            return Err(WireError::Malformed {
+                kind: Kind::Regions,
+                reason: "payload is not a whole number of region records",
+            });
+        }
+        let u64_at = |b: &[u8], i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_be_bytes(x)
+        };
+        payload
+            .chunks_exact(REGION_ENTRY_LEN)
+            .map(|b| {
+                let access = b[28];
+                if access & !(ACCESS_WRITE | ACCESS_READ) != 0 {
+                    return Err(WireError::Malformed {
+                        kind: Kind::Regions,
+                        reason: "unknown access bits",
+                    });
+                }
+                Ok(RegionEntry {
+                    handle: u64_at(b, 0),
+                    addr: u64_at(b, 8),
+                    len: u64_at(b, 16),
+                    rkey: u32::from_be_bytes([b[24], b[25], b[26], b[27]]),
+                    access,
+                })
+            })
+            .collect()
     }
 }
 
@@ -382,7 +464,8 @@ mod tests {
             Just(Kind::Ack),
             Just(Kind::Pause),
             Just(Kind::PauseAck),
-            Just(Kind::Close)
+            Just(Kind::Close),
+            Just(Kind::Regions)
         ]
     }
 
@@ -454,6 +537,38 @@ mod tests {
     }
 
     #[test]
+    fn regions_must_be_whole_records_with_known_access() {
+        let h = Header {
+            kind: Kind::Regions,
+            flags: 0,
+            len: 5,
+            seq: 0,
+            ack: 0,
+            credits: 0,
+        };
+        assert!(matches!(
+            Header::check(&message(&h, b"12345")),
+            Err(WireError::Malformed { .. })
+        ));
+        let mut payload = Vec::new();
+        RegionEntry {
+            handle: 1,
+            addr: 2,
+            len: 3,
+            rkey: 4,
+            access: 0x80,
+        }
+        .encode(&mut payload);
+        assert!(matches!(
+            RegionEntry::decode_all(&payload),
+            Err(WireError::Malformed {
+                reason: "unknown access bits",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn tokens_compare() {
         assert!(token_eq(&[1; 16], &[1; 16]));
         let mut b = [1; 16];
@@ -465,7 +580,11 @@ mod tests {
         #[test]
         fn header_round_trips(kind in kind_strategy(), flags: u8, seq in 1u64.., ack: u64,
                               credits: u64, payload in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let (seq, payload) = if kind == Kind::Data { (seq, payload) } else { (0, vec![]) };
+            let (seq, payload) = match kind {
+                Kind::Data => (seq, payload),
+                Kind::Regions => (0, payload[..payload.len() / REGION_ENTRY_LEN * REGION_ENTRY_LEN].to_vec()),
+                _ => (0, vec![]),
+            };
             let h = Header { kind, flags, len: payload.len() as u32, seq, ack, credits };
             let buf = message(&h, &payload);
             let (back, body) = Header::decode(&buf).unwrap();
@@ -504,9 +623,27 @@ mod tests {
         }
 
         #[test]
+        fn region_entries_round_trip(entries in proptest::collection::vec(
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), 0u8..4), 0..40)) {
+            let entries: Vec<RegionEntry> = entries.into_iter()
+                .map(|(handle, addr, len, rkey, access)| RegionEntry { handle, addr, len, rkey, access })
+                .collect();
+            let mut payload = Vec::new();
+            for e in &entries {
+                e.encode(&mut payload);
+            }
+            let h = Header { kind: Kind::Regions, flags: 0, len: payload.len() as u32, seq: 0, ack: 1, credits: 2 };
+            let buf = message(&h, &payload);
+            let (back, body) = Header::decode(&buf).unwrap();
+            prop_assert_eq!(back, h);
+            prop_assert_eq!(RegionEntry::decode_all(body).unwrap(), entries);
+        }
+
+        #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             let _ = Header::decode(&bytes);
             let _ = PrivateData::decode(&bytes);
+            let _ = RegionEntry::decode_all(&bytes);
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The connection's worker thread: owns every verbs object of one connection and runs its
 //! state machine (connect / accept, data path, quiesce, resume, replay, close).
 
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::mpsc;
@@ -11,17 +12,22 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rdmamig_proto::agent::ConnectionState;
 
 use super::credits::{classify, Arrival, Credits};
+use super::onesided::{remote_access, OpKind};
 use super::wire::{
-    Accept, Header, Hello, Kind, PrivateData, Reject, RejectReason, FLAG_MOVING, HEADER_LEN,
+    Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_MOVING,
+    HEADER_LEN, REGION_ENTRY_LEN,
 };
 use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
 use crate::verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
-    EventChannel, MemoryRegion, ProtectionDomain, QpCaps, VerbsError, WorkCompletion,
+    EventChannel, ExposedRegion, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, VerbsError,
+    WorkCompletion,
 };
 
 /// wr_id of receives: RECV_BASE + slot; sends use the slot number.
 pub(crate) const RECV_BASE: u64 = 1 << 32;
+/// wr_id of one-sided WRITEs and READs: ONESIDED_BASE + slot.
+const ONESIDED_BASE: u64 = 1 << 40;
 /// Credits DATA leaves for control messages.
 const RESERVE: u64 = 4;
 /// Extra send slots beyond the receive depth (room for control messages).
@@ -104,7 +110,7 @@ pub(crate) struct Endpoint {
     pub(crate) comp: CompletionChannel,
     pub(crate) send_mr: MemoryRegion,
     pub(crate) recv_mr: MemoryRegion,
-    _pd: ProtectionDomain,
+    pd: ProtectionDomain,
     pub(crate) id: CmId,
 }
 
@@ -143,7 +149,7 @@ pub(crate) fn build_endpoint(
         comp,
         send_mr,
         recv_mr,
-        _pd: pd,
+        pd,
         id,
     })
 }
@@ -157,6 +163,16 @@ struct Pause {
 
 struct Link {
     ep: Endpoint,
+    /// This side's exposed buffers as registered on this QP (dropped after the QP).
+    exposed: Vec<(u64, ExposedRegion)>,
+    /// REGIONS records not yet sent on this QP.
+    announce: Vec<RegionEntry>,
+    /// The peer's buffers as registered on its side of this QP.
+    remote_keys: HashMap<u64, RegionEntry>,
+    /// Highest one-sided operation id posted on this QP.
+    ops_posted_upto: u64,
+    /// One-sided operations on this QP awaiting completion, in posting order: (slot, id).
+    inflight: VecDeque<(u32, u64)>,
     credits: Credits,
     free_slots: Vec<u32>,
     posted_sends: u32,
@@ -178,6 +194,71 @@ impl Link {
         !self.free_slots.is_empty()
             && self.credits.can_send_control()
             && self.disconnecting.is_none()
+    }
+
+    /// WRITE and READ leave [`RESERVE`] send slots for control messages.
+    fn can_post_onesided(&self) -> bool {
+        self.free_slots.len() > RESERVE as usize
+            && self.pause.is_none()
+            && self.peer_paused.is_none()
+            && !self.close_sent
+            && self.disconnecting.is_none()
+    }
+
+    /// Posts one WRITE or READ of `op` through a send slot.
+    fn post_onesided(&mut self, op: &super::onesided::Op, key: &RegionEntry) -> Result<(), String> {
+        let slot = self.free_slots.pop().ok_or("no free send slot")?;
+        let off = slot as usize * self.slot;
+        let rdma = match &op.kind {
+            OpKind::Write(data) => {
+                let buf = self
+                    .ep
+                    .send_mr
+                    .write(off, data.len())
+                    .ok_or("write larger than a send slot")?;
+                buf.copy_from_slice(data);
+                RdmaOp::Write
+            }
+            OpKind::Read(..) => RdmaOp::Read,
+        };
+        if let Err(e) = self.ep.id.post_rdma(
+            rdma,
+            &self.ep.send_mr,
+            off,
+            op.len(),
+            key.addr + op.offset,
+            key.rkey,
+            ONESIDED_BASE + slot as u64,
+        ) {
+            self.free_slots.push(slot);
+            return Err(format!("posting an RDMA {rdma:?}: {}", error_chain(&e)));
+        }
+        self.posted_sends += 1;
+        self.inflight.push_back((slot, op.id));
+        Ok(())
+    }
+
+    /// Registers the exposures not yet registered on this QP and queues their records.
+    fn register_exposures(&mut self, st: &super::State) -> Result<(), String> {
+        for (handle, (mem, access)) in &st.onesided.exposed {
+            if self.exposed.iter().any(|(h, _)| h == handle) {
+                continue;
+            }
+            let region = self
+                .ep
+                .pd
+                .register_exposed(mem, remote_access(*access))
+                .map_err(|e| format!("registering exposed buffer {handle}: {}", error_chain(&e)))?;
+            self.announce.push(RegionEntry {
+                handle: *handle,
+                addr: region.addr(),
+                len: region.len() as u64,
+                rkey: region.rkey(),
+                access: *access,
+            });
+            self.exposed.push((*handle, region));
+        }
+        Ok(())
     }
 
     fn can_post_data(&self) -> bool {
@@ -606,6 +687,11 @@ impl Worker {
         }
         self.link = Some(Link {
             ep,
+            exposed: Vec::new(),
+            announce: Vec::new(),
+            remote_keys: HashMap::new(),
+            ops_posted_upto: st.onesided.ops.restart_point(),
+            inflight: VecDeque::new(),
             credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
             free_slots: (0..send_slots).rev().collect(),
             posted_sends: 0,
@@ -752,7 +838,10 @@ impl Worker {
             }
         }
         if let Some((deadline, _)) = &self.close_op {
-            let drained = self.sh.lock().outbox.is_empty();
+            let drained = {
+                let st = self.sh.lock();
+                st.outbox.is_empty() && st.onesided.ops.is_empty()
+            };
             let late = now + Duration::from_millis(500) >= *deadline;
             if !link.close_sent && (drained || late) && link.can_post_control() {
                 link.close_sent = true;
@@ -793,12 +882,62 @@ impl Worker {
         }
     }
 
-    /// Posts DATA while credits allow, then a standalone ACK if one is owed.
+    /// Announces exposed buffers, posts WRITEs and READs, then DATA while credits allow,
+    /// then a standalone ACK if one is owed.
+    ///
+    /// One-sided operations go out before DATA queued with them, so a message sent after a
+    /// write is never posted before it (and RC executes in posting order at the peer).
     fn pump(&mut self) {
         let Some(link) = &mut self.link else { return };
         let mut failure = None;
         let mut st = self.sh.lock();
-        while link.can_post_data() {
+        let leaving = link.pause.as_ref().is_some_and(|p| p.sent) || link.close_sent;
+        if let Err(e) = link.register_exposures(&st) {
+            failure = Some(LinkEvent::Local(e));
+        }
+        let per_message = (self.sh.opts.max_message / REGION_ENTRY_LEN).max(1);
+        while failure.is_none() && !link.announce.is_empty() && !leaving && link.can_post_control()
+        {
+            let n = link.announce.len().min(per_message);
+            let mut payload = Vec::with_capacity(n * REGION_ENTRY_LEN);
+            for e in &link.announce[..n] {
+                e.encode(&mut payload);
+            }
+            match link.post(Kind::Regions, 0, 0, &payload, st.last_received) {
+                Ok(()) => {
+                    link.announce.drain(..n);
+                }
+                Err(e) => failure = Some(LinkEvent::Local(e)),
+            }
+        }
+        while failure.is_none() && link.can_post_onesided() {
+            let Some(op) = st.onesided.ops.next_to_post(link.ops_posted_upto) else {
+                break;
+            };
+            // The peer's records for this QP come first thing on it; until then, wait.
+            let Some(key) = link.remote_keys.get(&op.handle).copied() else {
+                break;
+            };
+            if super::onesided::check_range(op.handle, key.len, op.offset, op.len()).is_err() {
+                failure = Some(LinkEvent::Protocol(format!(
+                    "the peer's buffer {} shrank below an operation at {}+{}",
+                    op.handle,
+                    op.offset,
+                    op.len()
+                )));
+                break;
+            }
+            let id = op.id;
+            if let Err(e) = link.post_onesided(op, &key) {
+                failure = Some(LinkEvent::Local(e));
+                break;
+            }
+            link.ops_posted_upto = id;
+            if st.onesided.ops.on_posted(id) {
+                st.stats.onesided_replayed += 1;
+            }
+        }
+        while failure.is_none() && link.can_post_data() {
             let next = link.posted_upto + 1;
             let Some(front) = st.outbox.front().map(|(s, _)| *s) else {
                 break;
@@ -982,6 +1121,7 @@ impl Worker {
     fn finish_closed(&mut self) {
         self.link = None;
         let mut st = self.sh.lock();
+        st.onesided.ops.clear();
         st.conn_state = ConnectionState::Closed;
         drop(st);
         self.sh.cond.notify_all();
@@ -996,6 +1136,7 @@ impl Worker {
         let mut st = self.sh.lock();
         st.conn_state = ConnectionState::Failed;
         st.failure = Some(cause);
+        st.onesided.ops.clear();
         drop(st);
         self.sh.cond.notify_all();
         for op in [
@@ -1019,6 +1160,9 @@ fn process(
     wc: &WorkCompletion,
     delivered: &mut bool,
 ) -> Result<(), LinkEvent> {
+    if wc.wr_id >= ONESIDED_BASE {
+        return onesided_done(link, st, wc, delivered);
+    }
     if wc.wr_id < RECV_BASE {
         link.free_slots.push(wc.wr_id as u32);
         link.posted_sends = link.posted_sends.saturating_sub(1);
@@ -1078,11 +1222,60 @@ fn process(
             st.peer_closed = true;
             *delivered = true;
         }
+        Kind::Regions => {
+            let entries =
+                RegionEntry::decode_all(payload).map_err(|e| LinkEvent::Protocol(e.to_string()))?;
+            st.onesided
+                .peer
+                .update(&entries)
+                .map_err(LinkEvent::Protocol)?;
+            for e in entries {
+                link.remote_keys.insert(e.handle, e);
+            }
+            *delivered = true; // wakes `remote`
+        }
     }
     link.ep
         .id
         .post_recv(&link.ep.recv_mr, off, link.slot, wc.wr_id)
         .map_err(|e| LinkEvent::Local(format!("re-posting a receive: {}", error_chain(&e))))?;
     link.credits.on_reposted();
+    Ok(())
+}
+
+/// Handles the completion of a WRITE or READ: the oldest in flight on this QP.
+fn onesided_done(
+    link: &mut Link,
+    st: &mut super::State,
+    wc: &WorkCompletion,
+    delivered: &mut bool,
+) -> Result<(), LinkEvent> {
+    let slot = (wc.wr_id - ONESIDED_BASE) as u32;
+    link.posted_sends = link.posted_sends.saturating_sub(1);
+    let front = link.inflight.pop_front();
+    link.free_slots.push(slot);
+    if !wc.ok() {
+        // The operation stays queued: the next QP posts it again.
+        return Err(LinkEvent::QpError {
+            status: wc.status_str(),
+            which: "one-sided",
+        });
+    }
+    let Some((posted_slot, id)) = front.filter(|(s, _)| *s == slot) else {
+        return Err(LinkEvent::Local(format!(
+            "one-sided completion for slot {slot} out of posting order"
+        )));
+    };
+    let op = st.onesided.ops.complete(id).map_err(LinkEvent::Local)?;
+    if let OpKind::Read(len, reply) = op.kind {
+        let data = link
+            .ep
+            .send_mr
+            .read(posted_slot as usize * link.slot, len)
+            .ok_or_else(|| LinkEvent::Local("read larger than a send slot".into()))?;
+        // The caller may have given up: nobody to tell, then.
+        let _ = reply.send(data.to_vec());
+    }
+    *delivered = true; // wakes flush_writes and writers waiting for room
     Ok(())
 }

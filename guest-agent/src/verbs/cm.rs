@@ -20,6 +20,15 @@ const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// Largest private data rdma_cm accepts in any call (a `u8` length).
 const MAX_PRIVATE_DATA: usize = 255;
 
+/// A one-sided operation on the peer's registered memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaOp {
+    /// RDMA WRITE: local bytes to the peer's memory.
+    Write,
+    /// RDMA READ: the peer's memory to local bytes.
+    Read,
+}
+
 pub(crate) struct ChannelInner {
     ptr: NonNull<rdma_event_channel>,
 }
@@ -643,6 +652,47 @@ impl CmId {
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: valid QP; `wr` and `sge` live across the call; the SGE lies inside an MR of
         // the QP's PD (checked), whose buffer the MR owns.
+        let rc = unsafe { ibv_post_send(qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::PostSend(io::Error::from_raw_os_error(rc)));
+        }
+        Ok(())
+    }
+
+    /// Posts a signaled RDMA WRITE of `mr[offset..offset+len]` to, or RDMA READ of `len`
+    /// bytes from, the peer's `remote_addr` (registered under `rkey`) into the same local
+    /// range, with `wr_id`.
+    ///
+    /// The local bytes must not be touched until the completion is polled.
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_rdma(
+        &self,
+        op: RdmaOp,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote_addr: u64,
+        rkey: u32,
+        wr_id: u64,
+    ) -> Result<(), VerbsError> {
+        let qp = self.qp_ptr(mr)?;
+        let mut sge = mr.sge(offset, len)?;
+        // SAFETY: all-zero is a valid ibv_send_wr; only the `rdma` member of the `wr` union
+        // is set below, as the RDMA opcodes require.
+        let mut wr: ibv_send_wr = unsafe { mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = match op {
+            RdmaOp::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            RdmaOp::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
+        };
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.rdma.remote_addr = remote_addr;
+        wr.wr.rdma.rkey = rkey;
+        let mut bad: *mut ibv_send_wr = ptr::null_mut();
+        // SAFETY: as for post_send; the remote range is checked by the peer's NIC against the
+        // rkey's registration (a bad one fails the work request, never local memory).
         let rc = unsafe { ibv_post_send(qp, &mut wr, &mut bad) };
         if rc != 0 {
             return Err(VerbsError::PostSend(io::Error::from_raw_os_error(rc)));

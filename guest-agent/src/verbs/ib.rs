@@ -110,6 +110,36 @@ impl ProtectionDomain {
     }
 }
 
+impl ProtectionDomain {
+    /// Registers `mem` for the peer's RDMA WRITE and/or READ (and local write).
+    pub fn register_exposed(
+        &self,
+        mem: &Arc<ExposedMemory>,
+        access: RemoteAccess,
+    ) -> Result<ExposedRegion, VerbsError> {
+        let mut flags = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if access.write {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if access.read {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        // SAFETY: valid PD; the memory is held by the returned region, so it outlives the
+        // registration (deregistered in Drop before the Arc is released).
+        let ptr =
+            unsafe { ibv_reg_mr(self.raw(), mem.ptr.as_ptr().cast(), mem.len(), flags as i32) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| VerbsError::RegisterMr {
+            len: mem.len(),
+            source: io::Error::last_os_error(),
+        })?;
+        Ok(ExposedRegion {
+            ptr,
+            mem: mem.clone(),
+            _pd: self.inner.clone(),
+        })
+    }
+}
+
 /// A registered memory region owning its buffer; holds its PD alive.
 pub struct MemoryRegion {
     ptr: NonNull<ibv_mr>,
@@ -163,6 +193,134 @@ impl MemoryRegion {
             length: len as u32,
             lkey,
         })
+    }
+}
+
+/// What the peer may do to an exposed buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteAccess {
+    /// RDMA WRITE into it.
+    pub write: bool,
+    /// RDMA READ from it.
+    pub read: bool,
+}
+
+/// Memory an application exposes to its peer's RDMA WRITE and READ.
+///
+/// It outlives every registration of it (each [`ExposedRegion`] holds it), so that it can be
+/// registered again on a new device after a move while its contents (guest memory, which
+/// migrates with the VM) stay where they are. The NIC writes into it behind the compiler's
+/// back, so it is only ever accessed by copying through raw pointers, never through a
+/// reference.
+pub struct ExposedMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the allocation is owned; every access copies through raw pointers and never forms a
+// reference, so concurrent copies (and the NIC's DMA) cannot violate aliasing rules.
+unsafe impl Send for ExposedMemory {}
+// SAFETY: as above.
+unsafe impl Sync for ExposedMemory {}
+
+impl ExposedMemory {
+    /// A zeroed buffer of `len` bytes (at least 1).
+    pub fn new(len: usize) -> Self {
+        let buf = vec![0u8; len.max(1)].into_boxed_slice();
+        let len = buf.len();
+        let ptr = NonNull::new(Box::into_raw(buf).cast::<u8>()).expect("Box is never null");
+        Self { ptr, len }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: at least one byte is allocated).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `out.len()` bytes at `offset` into `out`; `None` if the range is outside.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Option<()> {
+        if offset.checked_add(out.len())? > self.len {
+            return None;
+        }
+        // SAFETY: the range lies inside the allocation (checked); `out` is a distinct Rust
+        // buffer; the copy forms no reference to the shared memory.
+        unsafe {
+            ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+        Some(())
+    }
+
+    /// Copies `data` to `offset`; `None` if the range is outside.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Option<()> {
+        if offset.checked_add(data.len())? > self.len {
+            return None;
+        }
+        // SAFETY: as for `read`, in the other direction.
+        unsafe {
+            ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Some(())
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+}
+
+impl Drop for ExposedMemory {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from Box::into_raw of a boxed slice of exactly `len` bytes;
+        // every registration holds an Arc to this memory, so none is left.
+        drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) });
+    }
+}
+
+/// A registration of [`ExposedMemory`] on one PD, for the peer's RDMA WRITE/READ.
+pub struct ExposedRegion {
+    ptr: NonNull<ibv_mr>,
+    mem: Arc<ExposedMemory>,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: the MR handle is usable from any thread; the memory is Send + Sync.
+unsafe impl Send for ExposedRegion {}
+
+impl ExposedRegion {
+    /// The key the peer names this registration by.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: the MR is alive; `rkey` is a plain field.
+        unsafe { (*self.ptr.as_ptr()).rkey }
+    }
+
+    /// The address the peer's work requests use (the buffer's virtual address).
+    pub fn addr(&self) -> u64 {
+        self.mem.addr()
+    }
+
+    /// The buffer's length.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Whether the buffer is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+}
+
+impl Drop for ExposedRegion {
+    fn drop(&mut self) {
+        // SAFETY: registered by ibv_reg_mr, deregistered once, before the memory and the PD
+        // (both held by this struct) can go.
+        let rc = unsafe { ibv_dereg_mr(self.ptr.as_ptr()) };
+        if rc != 0 {
+            tracing::warn!(error = %io::Error::from_raw_os_error(rc), "ibv_dereg_mr failed");
+        }
     }
 }
 

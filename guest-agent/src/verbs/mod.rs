@@ -17,10 +17,11 @@
 mod cm;
 mod ib;
 
+pub use cm::RdmaOp;
 pub use cm::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel, IdKey};
 pub use ib::{
-    CompletionChannel, CompletionQueue, MemoryRegion, ProtectionDomain, QpCaps, WcOpcode,
-    WorkCompletion,
+    CompletionChannel, CompletionQueue, ExposedMemory, ExposedRegion, MemoryRegion,
+    ProtectionDomain, QpCaps, RemoteAccess, WcOpcode, WorkCompletion,
 };
 
 use std::io;
