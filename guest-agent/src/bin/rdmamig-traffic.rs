@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
 use rdmamig_guest::conn::ConnectOptions;
-use rdmamig_guest::traffic::{self, Mode, Side, TrafficConfig};
+use rdmamig_guest::traffic::{self, Mode, OneSidedConfig, Side, TrafficConfig};
 use rdmamig_proto::app::{AgentToApp, AppToAgent};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 
@@ -29,6 +29,10 @@ use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 ///   rdmamig-traffic serve   --listen 10.77.0.1:7471 --rate 200 --report /tmp/a.json
 ///   rdmamig-traffic connect --to 10.77.0.1:7471 --rate 200 --report /tmp/b.json
 ///   rdmamig-traffic ctl --socket /run/rdmamig/agent.sock quiesce   (drive a process like the agent)
+///
+/// With --one-sided, each side also exposes a buffer of --regions x --region-size bytes and
+/// fills the peer's with RDMA WRITE, one region before each message (and READs one back per
+/// round); the owner verifies each region's checksum when the message naming it arrives.
 #[derive(Parser, Debug)]
 #[command(name = "rdmamig-traffic", version, verbatim_doc_comment)]
 struct Cli {
@@ -125,6 +129,18 @@ struct Common {
     /// QP ACK timeout exponent (4.096 us x 2^n) of migratable connections.
     #[arg(long, default_value_t = 16)]
     ack_timeout: u8,
+    /// One-sided mode: RDMA WRITE a region of the peer's exposed buffer before each message.
+    #[arg(long)]
+    one_sided: bool,
+    /// One-sided mode: regions in each side's buffer.
+    #[arg(long, default_value_t = 16)]
+    regions: u32,
+    /// One-sided mode: bytes per region (16 to 65536).
+    #[arg(long, default_value_t = 4096)]
+    region_size: usize,
+    /// Rewrite this file with the run's counters (JSON) every 250 ms.
+    #[arg(long)]
+    progress_file: Option<PathBuf>,
 }
 
 fn main() {
@@ -180,21 +196,34 @@ fn run_traffic(side: Side, c: Common) -> i32 {
     if let Some(path) = &c.agent_socket {
         rdmamig_guest::registry::set_agent_socket(path);
     }
+    let one_sided = c.one_sided.then(|| OneSidedConfig {
+        regions: c.regions.max(1),
+        region_size: c.region_size.clamp(traffic::regions::STAMP_LEN, 65536),
+    });
+    // Messages of one-sided mode carry a notice after the counter and timestamp; each
+    // region goes out in one WRITE (and comes back in one READ).
+    let size = match one_sided {
+        Some(_) => c.size.max(traffic::MIN_SIZE + traffic::regions::NOTICE_LEN),
+        None => c.size.max(traffic::MIN_SIZE),
+    };
+    let max_message = size.max(one_sided.map_or(0, |o| o.region_size));
     let cfg = TrafficConfig {
         side,
         mode: c.mode,
         connections: c.connections,
         rate: c.rate,
-        size: c.size.max(traffic::MIN_SIZE),
+        size,
         duration: c.duration.map(Duration::from_secs_f64),
         linger: Duration::from_millis(c.linger_ms),
         ready_file: c.ready_file,
         conn: ConnectOptions {
             peer_wait: Duration::from_secs(c.peer_wait_s),
             ack_timeout: c.ack_timeout,
-            max_message: c.size.max(traffic::MIN_SIZE),
+            max_message,
             ..ConnectOptions::default()
         },
+        one_sided,
+        progress_file: c.progress_file,
     };
     match traffic::run(&cfg, &stop) {
         Ok(report) => {

@@ -5,6 +5,12 @@
 //! A run may carry several connections (one flow each: a sender and a receiver thread, its
 //! own numbering and accounting); the report sums the flows and keeps the largest gap, so
 //! one process can stand for an application with many connections.
+//!
+//! In one-sided mode ([`regions`]) each side also exposes a buffer and fills the peer's,
+//! region by region, with RDMA WRITE; every numbered message then follows a completed write
+//! and names the region, which its owner verifies on receipt.
+
+pub mod regions;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -16,8 +22,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::conn::{ConnError, ConnectOptions, Connection, Listener};
+use crate::conn::{Access, ConnError, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer};
 use crate::plain::{PlainEndpoint, PlainError};
+use regions::{Notice, Verdict, NOTICE_LEN};
 
 /// First bytes of every traffic message.
 pub const MAGIC: [u8; 4] = *b"RMTF";
@@ -64,6 +71,42 @@ pub struct TrafficConfig {
     pub ready_file: Option<PathBuf>,
     /// Options of migratable connections.
     pub conn: ConnectOptions,
+    /// One-sided mode: RDMA WRITE into the peer's exposed buffer before every message.
+    pub one_sided: Option<OneSidedConfig>,
+    /// Rewritten a few times a second with the run's counters so far ([`Progress`]).
+    pub progress_file: Option<PathBuf>,
+}
+
+/// The buffer of one-sided mode.
+#[derive(Debug, Clone, Copy)]
+pub struct OneSidedConfig {
+    /// Regions in the buffer each side exposes (written in turn).
+    pub regions: u32,
+    /// Bytes per region (at least the stamp).
+    pub region_size: usize,
+}
+
+/// The handle each side exposes its buffer under in one-sided mode.
+pub const BUFFER_HANDLE: u64 = 1;
+/// Bound on waiting for writes to complete (and reads to return) in one-sided mode: longer
+/// than any move's blackout.
+const ONE_SIDED_WAIT: Duration = Duration::from_secs(30);
+
+/// A run's counters so far, for a test that checks progress between moves.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// Messages received.
+    pub received: u64,
+    /// Regions this side verified in its own buffer.
+    pub regions_verified: u64,
+    /// Regions found missing, stale or corrupt.
+    pub regions_bad: u64,
+    /// Regions this side wrote into the peer's buffer (writes completed).
+    pub regions_written: u64,
+    /// READs of the peer's buffer that returned what was written.
+    pub reads_verified: u64,
+    /// When this was written (UNIX ms).
+    pub unix_ms: u64,
 }
 
 /// Errors that end a traffic run before it starts.
@@ -81,6 +124,12 @@ pub enum TrafficError {
     /// Plain mode carries one connection per process.
     #[error("plain mode supports one connection per process")]
     PlainIsSingle,
+    /// One-sided mode needs the migratable connection.
+    #[error("one-sided mode needs --mode migratable")]
+    OneSidedNeedsMigratable,
+    /// Exposing this side's buffer or finding the peer's failed.
+    #[error("setting up one-sided mode")]
+    OneSided(#[source] ConnError),
     /// Writing the ready file failed.
     #[error("writing the ready file {path}")]
     ReadyFile {
@@ -234,6 +283,24 @@ pub struct Report {
     pub connections_established: u64,
     /// Messages re-sent after a reconnect (migratable).
     pub replayed: u64,
+    /// One-sided mode: regions written into the peer's buffer (writes completed).
+    #[serde(default)]
+    pub regions_written: u64,
+    /// One-sided mode: regions of this side's buffer verified after the peer's notice.
+    #[serde(default)]
+    pub regions_verified: u64,
+    /// One-sided mode: regions already written again when their notice arrived.
+    #[serde(default)]
+    pub regions_overtaken: u64,
+    /// One-sided mode: regions found missing, stale or corrupt (each also in `errors`).
+    #[serde(default)]
+    pub regions_bad: u64,
+    /// One-sided mode: READs of the peer's buffer that returned what was written.
+    #[serde(default)]
+    pub reads_verified: u64,
+    /// One-sided operations posted again after a reconnect.
+    #[serde(default)]
+    pub onesided_replayed: u64,
     /// Start and end of the run (UNIX ms).
     pub started_unix_ms: u64,
     /// End of the run (UNIX ms).
@@ -273,6 +340,12 @@ impl Report {
             total.link_events.extend(r.link_events);
             total.connections_established += r.connections_established;
             total.replayed += r.replayed;
+            total.regions_written += r.regions_written;
+            total.regions_verified += r.regions_verified;
+            total.regions_overtaken += r.regions_overtaken;
+            total.regions_bad += r.regions_bad;
+            total.reads_verified += r.reads_verified;
+            total.onesided_replayed += r.onesided_replayed;
             total.started_unix_ms = total.started_unix_ms.min(r.started_unix_ms);
             total.ended_unix_ms = total.ended_unix_ms.max(r.ended_unix_ms);
         }
@@ -317,6 +390,13 @@ impl Endpoint {
                 fatal: false,
                 peer_closed: false,
             }),
+        }
+    }
+
+    fn migratable(&self) -> Option<&Connection> {
+        match self {
+            Endpoint::Migratable(c, _) => Some(c),
+            Endpoint::Plain(_) => None,
         }
     }
 
@@ -400,11 +480,118 @@ fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Vec<Endpoint>, Tr
     }
 }
 
+/// How often the progress file is rewritten.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Writes the counters of all flows to `path` (through a rename, so readers never see half).
+fn write_progress(path: &std::path::Path, flows: &[Flow]) {
+    let mut p = Progress {
+        unix_ms: unix_ms(),
+        ..Progress::default()
+    };
+    for f in flows {
+        p.received += f.tracker.lock().unwrap_or_else(|e| e.into_inner()).received;
+        p.regions_verified += f.counters.verified.load(Ordering::Relaxed);
+        p.regions_bad += f.counters.bad.load(Ordering::Relaxed);
+        p.regions_written += f.counters.written.load(Ordering::Relaxed);
+        p.reads_verified += f.counters.reads.load(Ordering::Relaxed);
+    }
+    let tmp = path.with_extension("tmp");
+    if let Ok(json) = serde_json::to_string(&p) {
+        if std::fs::write(&tmp, json).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+}
+
 /// Flows flushed or closed at the same time at the end of a run.
 const SHUTDOWN_PARALLEL: usize = 16;
 
+/// One flow's one-sided buffers: its own, which the peer fills, and the peer's.
+struct Buffers {
+    local: Exposed,
+    remote: RemoteBuffer,
+    cfg: OneSidedConfig,
+}
+
+/// Counters of one-sided mode.
+#[derive(Default)]
+struct RegionCounters {
+    written: AtomicU64,
+    verified: AtomicU64,
+    overtaken: AtomicU64,
+    bad: AtomicU64,
+    reads: AtomicU64,
+}
+
+impl Buffers {
+    /// Exposes this side's buffer and waits for the peer's (both under [`BUFFER_HANDLE`]).
+    fn set_up(conn: &Connection, cfg: OneSidedConfig) -> Result<Buffers, ConnError> {
+        let size = cfg.regions.max(1) as usize * cfg.region_size;
+        let local = conn.expose(Some(BUFFER_HANDLE), size, Access::ReadWrite)?;
+        let remote = conn.remote(BUFFER_HANDLE, Duration::from_secs(10))?;
+        Ok(Buffers { local, remote, cfg })
+    }
+
+    /// Writes region `n % regions` (round `n / regions`) of the peer's buffer, waits until
+    /// the data is there, and once per round reads it back; returns the notice that tells
+    /// the peer what to find.
+    fn write_region(
+        &self,
+        conn: &Connection,
+        n: u64,
+        c: &RegionCounters,
+    ) -> Result<Notice, String> {
+        let regions = self.cfg.regions.max(1) as u64;
+        let region = (n % regions) as u32;
+        let round = n / regions;
+        let (data, checksum) = regions::fill(round, region, self.cfg.region_size);
+        let offset = region as u64 * self.cfg.region_size as u64;
+        let chain = |e: ConnError| crate::conn::error_chain(&e);
+        conn.write(&self.remote, offset, &data).map_err(chain)?;
+        conn.flush_writes(ONE_SIDED_WAIT).map_err(chain)?;
+        c.written.fetch_add(1, Ordering::Relaxed);
+        if region == 0 {
+            let back = conn
+                .read(&self.remote, offset, data.len(), ONE_SIDED_WAIT)
+                .map_err(chain)?;
+            if back != data {
+                return Err(format!(
+                    "read back region {region} round {round}: it differs from what was written"
+                ));
+            }
+            c.reads.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Notice {
+            region,
+            round,
+            checksum,
+        })
+    }
+
+    /// Verifies this side's region named by `notice`.
+    fn check(&self, notice: &Notice, c: &RegionCounters) -> Result<(), String> {
+        let size = self.cfg.region_size;
+        let mut found = vec![0u8; size];
+        self.local
+            .read(notice.region as usize * size, &mut found)
+            .map_err(|e| format!("notice for region {}: {e}", notice.region))?;
+        match regions::verify(&found, notice) {
+            Verdict::Good => c.verified.fetch_add(1, Ordering::Relaxed),
+            Verdict::Overtaken => c.overtaken.fetch_add(1, Ordering::Relaxed),
+            Verdict::Bad(why) => {
+                c.bad.fetch_add(1, Ordering::Relaxed);
+                return Err(why);
+            }
+        };
+        Ok(())
+    }
+}
+
 /// One connection's traffic: a sender and a receiver thread and their accounting.
 struct Flow {
+    buffers: Option<Arc<Buffers>>,
+    counters: Arc<RegionCounters>,
     ep: Arc<Endpoint>,
     errors: Arc<Errors>,
     stop_send: Arc<AtomicBool>,
@@ -417,8 +604,10 @@ struct Flow {
 }
 
 impl Flow {
-    fn start(ep: Endpoint, cfg: &TrafficConfig) -> Flow {
+    fn start(ep: Endpoint, buffers: Option<Buffers>, cfg: &TrafficConfig) -> Flow {
         let mut flow = Flow {
+            buffers: buffers.map(Arc::new),
+            counters: Arc::default(),
             ep: Arc::new(ep),
             errors: Arc::new(Errors::default()),
             stop_send: Arc::new(AtomicBool::new(false)),
@@ -436,8 +625,13 @@ impl Flow {
             flow.sent.clone(),
             flow.send_failures.clone(),
         );
+        let (buffers, counters) = (flow.buffers.clone(), flow.counters.clone());
         let interval = Duration::from_secs_f64(1.0 / cfg.rate.max(1) as f64);
-        let size = cfg.size;
+        // Messages of one-sided mode carry a notice after the counter and timestamp.
+        let size = match flow.buffers {
+            Some(_) => cfg.size.max(MIN_SIZE + NOTICE_LEN),
+            None => cfg.size,
+        };
         flow.sender = Some(std::thread::spawn(move || {
             let start = Instant::now();
             let mut n: u64 = 0;
@@ -448,7 +642,13 @@ impl Flow {
                     std::thread::sleep((due - now).min(Duration::from_millis(50)));
                     continue;
                 }
-                let m = encode_message(n, unix_us(), size);
+                let mut m = encode_message(n, unix_us(), size);
+                if let (Some(b), Some(conn)) = (&buffers, ep.migratable()) {
+                    match b.write_region(conn, n, &counters) {
+                        Ok(notice) => notice.encode(&mut m[MIN_SIZE..]),
+                        Err(e) => errors.add(format!("one-sided: {e}")),
+                    }
+                }
                 n += 1;
                 sent.store(n, Ordering::Relaxed);
                 if let Err(e) = ep.send(&m) {
@@ -466,14 +666,23 @@ impl Flow {
             flow.stop_recv.clone(),
             flow.tracker.clone(),
         );
+        let (buffers, counters) = (flow.buffers.clone(), flow.counters.clone());
         flow.receiver = Some(std::thread::spawn(move || {
             while !stop_recv.load(Ordering::Relaxed) {
                 match ep.recv(Duration::from_millis(100)) {
                     Ok(Some(m)) => match decode_message(&m) {
-                        Some((counter, _)) => tracker
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .on_message(counter, Instant::now(), unix_ms()),
+                        Some((counter, _)) => {
+                            tracker
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .on_message(counter, Instant::now(), unix_ms());
+                            let notice = Notice::decode(&m[MIN_SIZE..]);
+                            if let (Some(b), Some(notice)) = (&buffers, notice) {
+                                if let Err(e) = b.check(&notice, &counters) {
+                                    errors.add(format!("one-sided: {e}"));
+                                }
+                            }
+                        }
                         None => {
                             errors.add("received a message that is not a traffic message".into())
                         }
@@ -528,17 +737,22 @@ impl Flow {
 
     fn finish(self, cfg: &TrafficConfig, started_unix_ms: u64) -> Report {
         let errors = &self.errors;
-        let (established, link_events, replayed) = match &*self.ep {
+        let (established, link_events, replayed, onesided_replayed) = match &*self.ep {
             Endpoint::Migratable(c, _) => {
                 let s = c.stats();
-                (s.established, s.link_events, s.replayed)
+                (
+                    s.established,
+                    s.link_events,
+                    s.replayed,
+                    s.onesided_replayed,
+                )
             }
             Endpoint::Plain(p) => {
                 let s = p.stats();
                 for e in s.errors {
                     errors.add(format!("connection: {e}"));
                 }
-                (s.established, Vec::new(), 0)
+                (s.established, Vec::new(), 0, 0)
             }
         };
         let t = self.tracker.lock().unwrap_or_else(|p| p.into_inner());
@@ -570,6 +784,12 @@ impl Flow {
             link_events,
             connections_established: established,
             replayed,
+            regions_written: self.counters.written.load(Ordering::Relaxed),
+            regions_verified: self.counters.verified.load(Ordering::Relaxed),
+            regions_overtaken: self.counters.overtaken.load(Ordering::Relaxed),
+            regions_bad: self.counters.bad.load(Ordering::Relaxed),
+            reads_verified: self.counters.reads.load(Ordering::Relaxed),
+            onesided_replayed,
             started_unix_ms,
             ended_unix_ms: unix_ms(),
         }
@@ -581,6 +801,16 @@ impl Flow {
 pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficError> {
     let started_unix_ms = unix_ms();
     let endpoints = establish(cfg, stop)?;
+    let buffers = endpoints
+        .iter()
+        .map(|ep| match (cfg.one_sided, ep.migratable()) {
+            (None, _) => Ok(None),
+            (Some(_), None) => Err(TrafficError::OneSidedNeedsMigratable),
+            (Some(os), Some(conn)) => Buffers::set_up(conn, os)
+                .map(Some)
+                .map_err(TrafficError::OneSided),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = &cfg.ready_file {
         std::fs::write(path, format!("{}\n", unix_ms())).map_err(|source| {
             TrafficError::ReadyFile {
@@ -591,11 +821,19 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
     }
     let mut flows: Vec<Flow> = endpoints
         .into_iter()
-        .map(|ep| Flow::start(ep, cfg))
+        .zip(buffers)
+        .map(|(ep, b)| Flow::start(ep, b, cfg))
         .collect();
     let begin = Instant::now();
+    let mut last_progress = begin;
     while !stop.load(Ordering::Relaxed) && cfg.duration.is_none_or(|d| begin.elapsed() < d) {
         std::thread::sleep(Duration::from_millis(20));
+        if let Some(path) = &cfg.progress_file {
+            if last_progress.elapsed() >= PROGRESS_INTERVAL {
+                last_progress = Instant::now();
+                write_progress(path, &flows);
+            }
+        }
     }
     // Flushes and closes run on all flows at once (bounded), so that shutting down many
     // connections takes about as long as one.
