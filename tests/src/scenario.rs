@@ -354,7 +354,7 @@ pub fn run(
 /// writing the migrator's report to `report_path` and its output to `log` in the bed's
 /// directory; stops the source and attaches to the destination's console afterwards.
 /// Returns whether the move succeeded and what the command printed.
-fn migrate_vm(
+pub fn migrate_vm(
     bed: &Testbed,
     daemon: &Daemon,
     tag: &str,
