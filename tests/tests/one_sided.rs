@@ -140,7 +140,10 @@ fn run(bed: &Testbed, daemon: &Daemon, s: &mut Slots) -> Result<(), Box<dyn std:
 fn wait_progress(guest: &Guest, before: &Progress) -> Result<Progress, Box<dyn std::error::Error>> {
     let end = Instant::now() + PROGRESS_WAIT;
     loop {
-        let text = guest.run_ok(&format!("cat /tmp/{TAG}.progress 2>/dev/null; true"), STEP_TIMEOUT)?;
+        let text = guest.run_ok(
+            &format!("cat /tmp/{TAG}.progress 2>/dev/null; true"),
+            STEP_TIMEOUT,
+        )?;
         let p: Progress = serde_json::from_str(text.trim()).unwrap_or_default();
         if p.regions_bad > 0 {
             return Err(format!("{}: bad regions: {p:?}", guest.name()).into());
