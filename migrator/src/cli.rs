@@ -490,6 +490,7 @@ mod tests {
                     qmp: "/d".into(),
                     agent: None,
                 },
+                destination_migrator: None,
                 detach: "nic0".into(),
                 attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
                 reattach: None,

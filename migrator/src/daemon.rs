@@ -33,7 +33,7 @@ use crate::journal::{self, Journal, JournalError};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
-use crate::peer::{Destination, PeerTls};
+use crate::peer::Destination;
 use crate::plan::MovePlan;
 use crate::retention::{self, Retention};
 use crate::timeline::unix_ms;
@@ -54,8 +54,9 @@ pub struct DaemonConfig {
     pub context: MoveContext,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
-    /// Where to serve the destination's duties to other migrators (mutual TLS), if anywhere.
-    pub peer: Option<(String, PeerTls)>,
+    /// Where to serve the destination's duties to other migrators (mutual TLS), if anywhere;
+    /// the identity is the context's `peers`.
+    pub peer_listen: Option<String>,
     /// How many finished moves' journals and reports to keep.
     pub retention: Retention,
 }
@@ -268,7 +269,8 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         let shared = shared.clone();
         tokio::spawn(serve_metrics(listener, shared));
     }
-    if let Some((address, tls)) = shared.config.peer.clone() {
+    let listen = shared.config.peer_listen.clone();
+    if let Some((address, tls)) = listen.zip(shared.config.context.peers.clone()) {
         let listener = tokio::net::TcpListener::bind(&address)
             .await
             .map_err(|source| DaemonError::Peer {
@@ -503,6 +505,14 @@ fn load_report(dir: &Path, id: &str) -> Result<MoveReport, String> {
 async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Arc<Shared>) {
     if let Err(e) = plan.validate() {
         reject(&mut channel, format!("the plan cannot run: {e}")).await;
+        return;
+    }
+    if let Err(e) = shared.config.context.destination(&plan) {
+        reject(
+            &mut channel,
+            format!("the plan cannot run: {}", error_chain(&e)),
+        )
+        .await;
         return;
     }
     let id = match shared.admit(&plan.vm, false) {

@@ -12,12 +12,14 @@
 //! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
 //!   (unit-tested only: not run on hardware);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
+//! - [`destination`]: the destination end of a move behind one trait (this host, or another
+//!   migrator through [`peer`]);
 //! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
 //!   takes the forced paths, rolls back, and recovers a move from its journal;
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
 //! - [`retention`]: pruning the journals and reports of finished moves;
-//! - [`peer`]: the destination's duties between migrators, over mutual TLS;
+//! - [`peer`]: the destination's duties between migrators, over mutual TLS (both sides);
 //! - [`metrics`]: the daemon's Prometheus metrics;
 //! - [`cli`]: how the CLI shows progress and the final timeline;
 //! - [`svg`]: the per-move SVG timeline.
@@ -26,6 +28,7 @@ pub mod agent;
 pub mod api;
 pub mod cli;
 pub mod daemon;
+pub mod destination;
 #[cfg(test)]
 mod fakes;
 pub mod journal;

@@ -142,7 +142,12 @@ rdmamig migrate --vm vm1 --qmp src/qmp.sock --detach nic0 --to-qmp dst/qmp.sock 
 --attach driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1 --via unix:dst/mig.sock \\\n    \
 --strategy naive\n\n\
 Tighter deadlines for the unplug and the migration:\n  \
-... --deadline detach=2000 --deadline migrate=30000"
+... --deadline detach=2000 --deadline migrate=30000\n\n\
+To another host, whose migrator (listed as hostB in [[peer.known]] of this daemon's \
+config, with its address) takes a function from its own pool:\n  \
+rdmamig migrate --vm vm1 --qmp src/qmp.sock --agent src/agent.sock --detach nic0 \\\n    \
+--destination-migrator hostB --to-qmp /run/vm1/qmp.sock --to-agent /run/vm1/agent.sock \\\n    \
+--from-pool --attach id=nic1,bus=rp1,mac=52:54:00:77:00:11 --via tcp:hostB:4444"
     )]
     Migrate(Box<MigrateArgs>),
 }
@@ -175,12 +180,28 @@ struct MigrateArgs {
     /// The id of the device to unplug on the source (the RDMA NIC).
     #[arg(long)]
     detach: String,
-    /// The destination QEMU's QMP socket (started with -incoming defer).
+    /// The destination QEMU's QMP socket (started with -incoming defer); a path on the
+    /// destination migrator's host when --destination-migrator is given.
     #[arg(long)]
     to_qmp: PathBuf,
-    /// The destination VM's agent socket; needed by `reconnect`.
+    /// The destination VM's agent socket; needed by `reconnect`. On the destination
+    /// migrator's host when --destination-migrator is given.
     #[arg(long)]
     to_agent: Option<PathBuf>,
+    /// The migrator on the destination host that does the destination's duties: a
+    /// [[peer.known]] name from the daemon's config, or host:port.
+    ///
+    /// Without it, this daemon drives both VMMs itself (both on this host). With it, this
+    /// daemon asks that migrator, over mutual TLS with the certificates of the daemon's
+    /// [peer] table, to reserve a function from its pool (--from-pool), ready its VMM
+    /// (--to-qmp, a path on that host) to receive, plug the function after the migration,
+    /// and resume the connections through its agent (--to-agent); a rollback releases its
+    /// reservation the same way. The destination must list this host in its
+    /// [[peer.known]] and present a certificate that is a listed peer's (the named one's)
+    /// for the host part of its address. --via is then where that host receives the
+    /// migration stream (tcp:HOST:PORT between hosts).
+    #[arg(long, value_name = "NAME|HOST:PORT", verbatim_doc_comment)]
+    destination_migrator: Option<String>,
     /// The device to plug on the destination, as QEMU device_add properties:
     /// 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11'.
     #[arg(long)]
@@ -253,7 +274,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let peer = match peer_listener(peer) {
+            let (peer_listen, peers) = match peer_identity(peer) {
                 Ok(peer) => peer,
                 Err(e) => {
                     eprintln!("rdmamig daemon: [peer]: {}", error_chain(&e));
@@ -275,7 +296,7 @@ fn main() -> ExitCode {
                 state_dir,
                 max_moves: usize::from(max_moves),
                 metrics,
-                peer,
+                peer_listen,
                 retention: Retention {
                     keep: keep_moves as usize,
                     max_age: keep_moves_days
@@ -284,6 +305,7 @@ fn main() -> ExitCode {
                 context: MoveContext {
                     backends: Arc::new(QemuBackends),
                     pool: Arc::new(pool),
+                    peers,
                     boundary,
                 },
             };
@@ -355,15 +377,15 @@ fn open_pool(
     Ok((pool, config.peer))
 }
 
-/// Loads the TLS files the `[peer]` table names.
-fn peer_listener(config: Option<PeerConfig>) -> Result<Option<(String, PeerTls)>, PeerError> {
+/// Loads the TLS files the `[peer]` table names; also where to listen, if anywhere.
+type PeerIdentity = (Option<String>, Option<PeerTls>);
+
+fn peer_identity(config: Option<PeerConfig>) -> Result<PeerIdentity, PeerError> {
     let Some(config) = config else {
-        return Ok(None);
+        return Ok((None, None));
     };
-    let known: Vec<(String, PathBuf)> =
-        config.known.into_iter().map(|k| (k.name, k.cert)).collect();
-    let tls = PeerTls::load(&config.cert, &config.key, &config.ca, &known)?;
-    Ok(Some((config.listen, tls)))
+    let tls = PeerTls::load(&config.cert, &config.key, &config.ca, &config.known)?;
+    Ok((config.listen, Some(tls)))
 }
 
 fn output(json: bool) -> Output {
@@ -418,6 +440,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
             qmp: args.to_qmp,
             agent: args.to_agent,
         },
+        destination_migrator: args.destination_migrator,
         detach: args.detach,
         attach: args.attach,
         reattach: args.reattach,

@@ -40,10 +40,12 @@ use thiserror::Error;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::agent::{AgentClient, AgentError, GuestAgent, Outcomes};
+use crate::destination::{DestinationHost, LocalDestination, MoveRef};
 use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
+use crate::peer::{PeerError, PeerTls, RemoteDestination};
 use crate::plan::{Endpoint, MovePlan, Strategy};
-use crate::pool::{device_for, Attachment, Pool, PoolError};
+use crate::pool::{Attachment, Pool, PoolError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
@@ -95,11 +97,31 @@ pub type BoundaryHook = Arc<dyn Fn(Phase) + Send + Sync>;
 pub struct MoveContext {
     /// The VMMs and agents.
     pub backends: Arc<dyn Backends>,
-    /// The destination's pool of passthrough functions (on the test bed, and until
-    /// migrators talk to each other, the destination is this host).
+    /// This host's pool of passthrough functions (the destination's, when the destination
+    /// VMM runs on this host).
     pub pool: Arc<Pool>,
+    /// This host's identity towards other migrators (`[peer]` in the config), needed for a
+    /// move whose destination is another migrator.
+    pub peers: Option<PeerTls>,
     /// Called at every phase boundary.
     pub boundary: Option<BoundaryHook>,
+}
+
+impl MoveContext {
+    /// The destination end of `plan`: this host, or the migrator it names.
+    pub fn destination(&self, plan: &MovePlan) -> Result<Arc<dyn DestinationHost>, PeerError> {
+        match &plan.destination_migrator {
+            None => Ok(Arc::new(LocalDestination::new(
+                self.backends.clone(),
+                self.pool.clone(),
+            ))),
+            Some(target) => {
+                let tls = self.peers.clone().ok_or(PeerError::NotConfigured)?;
+                let target = tls.resolve(target)?;
+                Ok(Arc::new(RemoteDestination::new(tls, target)))
+            }
+        }
+    }
 }
 
 /// What a move reports while it runs.
@@ -212,6 +234,9 @@ pub enum StepError {
     /// The destination's pool could not give or take a function.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The destination migrator could not be asked, or refused.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
     /// A VMM is not in the state the phase needs.
     #[error("the {side} VM is {state}, {expected}")]
     VmState {
@@ -249,6 +274,7 @@ impl StepError {
             StepError::Vmm(e) => e.is_timeout(),
             StepError::Agent(e) => e.is_timeout(),
             StepError::Stalled => true,
+            StepError::Peer(e) => e.is_timeout(),
             StepError::Journal(_)
             | StepError::Pool(_)
             | StepError::VmState { .. }
@@ -320,13 +346,6 @@ impl Finished {
             details: Map::new(),
         }
     }
-}
-
-/// Which end of the move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Side {
-    Source,
-    Destination,
 }
 
 /// Runs `plan` to the end under the journal `journal` (already holding its `begin` record),
@@ -423,7 +442,8 @@ struct Mover {
     /// Whether the migration completed.
     migrated: bool,
     source: Option<Arc<dyn Vmm>>,
-    destination: Option<Arc<dyn Vmm>>,
+    /// The destination end, resolved on first use (a recovering migrator resolves afresh).
+    destination: Option<Arc<dyn DestinationHost>>,
     agent: Option<Box<dyn GuestAgent>>,
     connections: Vec<ConnectionInfo>,
     ids: Vec<ConnectionId>,
@@ -509,7 +529,7 @@ impl Mover {
         if !migrated && last >= Phase::Migrate {
             // The kill may have come after the migration completed and before the journal
             // said so: the source VMM knows.
-            match self.vmm(Side::Source).await {
+            match self.source_vmm().await {
                 Ok(source) => match source.status().await {
                     Ok(status) => migrated = status.state == "postmigrate",
                     Err(e) => self.warn(format!(
@@ -684,7 +704,7 @@ impl Mover {
     async fn undo(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
         let reached = self.reached;
         if reached >= Phase::Migrate {
-            let source = self.vmm(Side::Source).await?;
+            let source = self.source_vmm().await?;
             if !self.migrated {
                 source.cancel_migration().await?;
                 // Wait until the migration is over, not just asked to stop: a VMM refuses
@@ -725,16 +745,10 @@ impl Mover {
                 }
             }
             if self.migrated {
-                let destination = self.vmm(Side::Destination).await;
-                match destination {
-                    Ok(destination) => match destination.quit().await {
-                        Ok(()) | Err(VmmError::Gone { .. }) => {}
-                        Err(e) => return Err(e.into()),
-                    },
-                    // Gone already (an earlier rollback attempt stopped it).
-                    Err(VmmError::Connect { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
+                let deadline = self.plan.deadlines.of(Phase::Rollback);
+                self.destination()?
+                    .discard(&self.plan.destination, deadline)
+                    .await?;
                 steps.push("destination VMM stopped (the migrated copy is discarded)".into());
                 if !source.status().await?.running {
                     source.resume().await?;
@@ -745,7 +759,7 @@ impl Mover {
             self.location = VmLocation::Source;
         }
         if reached >= Phase::Detach {
-            let source = self.vmm(Side::Source).await?;
+            let source = self.source_vmm().await?;
             let spec = self.plan.reattach_spec().clone();
             if source.has_device(&self.plan.detach).await? {
                 let message = format!(
@@ -764,7 +778,7 @@ impl Mover {
         if reached >= Phase::Quiesce && self.plan.strategy == Strategy::Reconnect {
             // A fresh session: the old one may hold requests the agent never answered.
             self.agent = None;
-            let source = self.vmm(Side::Source).await?;
+            let source = self.source_vmm().await?;
             let mut agent = self.context.backends.agent(source.as_ref()).await?;
             let budget = self.plan.deadlines.of(Phase::Resume);
             let start = Instant::now();
@@ -782,12 +796,15 @@ impl Mover {
                 result.outcomes.len()
             ));
         }
-        if let Some((function, _)) = &self.function {
-            self.context
-                .pool
-                .release(function, &self.id, &self.plan.vm)?;
+        if let Some((function, _)) = self.function.clone() {
+            let destination = self.destination()?;
+            let deadline = self.plan.deadlines.of(Phase::Rollback);
+            destination
+                .release(&function, &self.move_ref(), deadline)
+                .await?;
             steps.push(format!(
-                "function {function} released to the destination's pool"
+                "function {function} released to the destination's pool ({})",
+                destination.describe()
             ));
         }
         Ok(())
@@ -803,7 +820,7 @@ impl Mover {
             Phase::Quiesce => Box::pin(self.quiesce_phase(deadline)),
             Phase::Detach => Box::pin(self.detach(deadline)),
             Phase::Migrate => Box::pin(self.migrate(deadline)),
-            Phase::Attach => Box::pin(self.attach()),
+            Phase::Attach => Box::pin(self.attach(deadline)),
             Phase::Resume => Box::pin(self.resume_phase(deadline)),
             Phase::Rollback | Phase::Done | Phase::RolledBack | Phase::Failed => {
                 Box::pin(async { Ok(Finished::ok(Map::new())) })
@@ -838,25 +855,42 @@ impl Mover {
         }
     }
 
-    /// The VMM of one end, connected on first use (a recovering migrator connects afresh).
-    async fn vmm(&mut self, side: Side) -> Result<Arc<dyn Vmm>, VmmError> {
-        let (slot, endpoint) = match side {
-            Side::Source => (&mut self.source, &self.plan.source),
-            Side::Destination => (&mut self.destination, &self.plan.destination),
-        };
-        if let Some(vmm) = slot {
+    /// The source VMM, connected on first use (a recovering migrator connects afresh).
+    async fn source_vmm(&mut self) -> Result<Arc<dyn Vmm>, VmmError> {
+        if let Some(vmm) = &self.source {
             return Ok(vmm.clone());
         }
-        let vmm = self.context.backends.connect(endpoint).await?;
-        *slot = Some(vmm.clone());
+        let vmm = self.context.backends.connect(&self.plan.source).await?;
+        self.source = Some(vmm.clone());
         Ok(vmm)
+    }
+
+    /// The destination end, resolved on first use.
+    fn destination(&mut self) -> Result<Arc<dyn DestinationHost>, PeerError> {
+        if let Some(destination) = &self.destination {
+            return Ok(destination.clone());
+        }
+        let destination = self.context.destination(&self.plan)?;
+        self.destination = Some(destination.clone());
+        Ok(destination)
+    }
+
+    fn move_ref(&self) -> MoveRef {
+        MoveRef {
+            move_id: self.id.clone(),
+            vm: self.plan.vm.clone(),
+        }
     }
 
     async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let mut details = Map::new();
+        let destination = self.destination()?;
+        details.insert("destination".into(), destination.describe().into());
         if self.plan.from_pool {
-            let (function, attachment) = self.context.pool.reserve(&self.id)?;
+            let (function, attachment) = destination
+                .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
+                .await?;
             self.journal.append(&Record::Reserved {
                 function: function.clone(),
                 attachment: attachment.clone(),
@@ -864,7 +898,7 @@ impl Mover {
             details.insert("function".into(), function.clone().into());
             self.function = Some((function, attachment));
         }
-        let source = self.vmm(Side::Source).await?;
+        let source = self.source_vmm().await?;
         let state = source.status().await?.state;
         if matches!(state.as_str(), "inmigrate" | "postmigrate" | "shutdown") {
             return Err(StepError::VmState {
@@ -874,16 +908,13 @@ impl Mover {
             });
         }
         details.insert("source_state".into(), state.into());
-        let destination = self.vmm(Side::Destination).await?;
-        let state = destination.status().await?.state;
-        if state != "inmigrate" {
-            return Err(StepError::VmState {
-                side: "destination",
-                state,
-                expected: "not waiting for a migration (start it with -incoming defer)",
-            });
-        }
-        destination.prepare_incoming(&self.plan.via).await?;
+        destination
+            .prepare_receive(
+                &self.plan.destination,
+                &self.plan.via,
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
         details.insert("via".into(), self.plan.via.clone().into());
 
         if self.plan.strategy == Strategy::Reconnect {
@@ -914,7 +945,7 @@ impl Mover {
         let result = match self.agent.as_mut() {
             Some(agent) => agent.quiesce(&ids, deadline).await,
             None => {
-                let source = self.vmm(Side::Source).await?;
+                let source = self.source_vmm().await?;
                 let mut agent = self.context.backends.agent(source.as_ref()).await?;
                 let result = agent.quiesce(&ids, deadline).await;
                 self.agent = Some(agent);
@@ -967,7 +998,7 @@ impl Mover {
     }
 
     async fn detach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        let source = self.vmm(Side::Source).await?;
+        let source = self.source_vmm().await?;
         match source.remove_device(&self.plan.detach, deadline).await {
             Ok(()) => {}
             Err(e) if e.is_timeout() => {
@@ -1037,7 +1068,7 @@ impl Mover {
 
     async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
-        let source = self.vmm(Side::Source).await?;
+        let source = self.source_vmm().await?;
         source
             .send_migration(&self.plan.via, &MigrationLimits::default())
             .await?;
@@ -1093,32 +1124,31 @@ impl Mover {
             }
         }
         self.migration = Some(done);
-        let state = self.vmm(Side::Destination).await?.status().await?.state;
-        details.insert("destination_state".into(), state.into());
         Ok(Finished::ok(details))
     }
 
-    async fn attach(&mut self) -> Result<Finished, StepError> {
-        let destination = self.vmm(Side::Destination).await?;
+    async fn attach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        let destination = self.destination()?;
+        let function = self.function.as_ref().map(|(name, _)| name.as_str());
+        let plugged = destination
+            .attach(
+                &self.plan.destination,
+                &self.move_ref(),
+                function,
+                &self.plan.attach,
+                self.recovered_from.is_some(),
+                deadline,
+            )
+            .await?;
         let mut details = Map::new();
-        let spec = match &self.function {
-            Some((_, attachment)) => device_for(attachment, &self.plan.attach),
-            None => self.plan.attach.clone(),
-        };
-        let id = spec.id().to_string();
-        if self.recovered_from.is_some() && destination.has_device(&id).await? {
+        if plugged.already {
             details.insert("already_attached".into(), true.into());
-        } else {
-            destination.add_device(&spec).await?;
         }
-        if let Some((function, _)) = &self.function {
-            self.context
-                .pool
-                .attach(function, &self.id, &self.plan.vm)?;
-            details.insert("function".into(), function.clone().into());
+        if let Some(function) = function {
+            details.insert("function".into(), function.into());
         }
-        details.insert("device".into(), id.into());
-        details.insert("driver".into(), spec.driver().into());
+        details.insert("device".into(), plugged.id.into());
+        details.insert("driver".into(), plugged.driver.into());
         Ok(Finished::ok(details))
     }
 
@@ -1128,15 +1158,12 @@ impl Mover {
                 "strategy naive: connections are not resumed",
             ));
         }
-        let start = Instant::now();
         // The guest now runs under the destination VMM; the source's channel is dead.
         self.agent = None;
-        let destination = self.vmm(Side::Destination).await?;
-        let mut agent = self.context.backends.agent(destination.as_ref()).await?;
-        ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
         let ids = self.ids.clone();
-        let result = agent
-            .resume(&ids, deadline.saturating_sub(start.elapsed()))
+        let result = self
+            .destination()?
+            .resume(&self.plan.destination, &ids, deadline)
             .await?;
         let details = self.record_outcomes(&result, "resumed");
         let failed: Vec<_> = result.failed().collect();
@@ -1191,7 +1218,10 @@ fn connections_lost(failed: &[&ConnectionOutcome], total: usize) -> StepError {
 
 /// Pings a freshly connected agent until it answers or `budget` is spent: a guest may not be
 /// reading its port at the very moment the host connects.
-async fn ping(agent: &mut dyn GuestAgent, budget: Duration) -> Result<String, AgentError> {
+pub(crate) async fn ping(
+    agent: &mut dyn GuestAgent,
+    budget: Duration,
+) -> Result<String, AgentError> {
     let end = Instant::now() + budget;
     loop {
         let left = end.saturating_duration_since(Instant::now());
@@ -1261,6 +1291,7 @@ mod tests {
             MoveContext {
                 backends: Arc::new(FakeBackends(self.host.clone())),
                 pool: self.pool.clone(),
+                peers: None,
                 boundary,
             }
         }
@@ -1781,6 +1812,7 @@ mod trust_tests {
                     misbehaviour,
                 }),
                 pool,
+                peers: None,
                 boundary: None,
             };
             let (events, _received) = tokio::sync::mpsc::unbounded_channel();

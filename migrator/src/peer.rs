@@ -1,20 +1,29 @@
 //! Migrator ↔ migrator: the destination's duties, asked for over TCP with mutual TLS.
 //!
-//! A destination host reserves a passthrough function for an arriving VM, readies its VMM to
-//! receive, plugs the function after the migration, and reports back; a source asks for each
-//! of these. Both ends authenticate with certificates from one CA (rustls, TLS 1.2/1.3): a
-//! peer without a certificate, or with one the CA did not sign, fails the handshake and
-//! nothing is read from it. A certificate the CA signed is not enough either: the peer's
-//! certificate must be one of the configured peers' (exact DER match), so that one host's
-//! credentials cannot be replayed by a machine the operator did not list. Every request
-//! carries the protocol version; another version is refused with its number, and nothing is
-//! done for a refused request.
+//! A source migrator whose move goes to another host drives the destination through
+//! [`RemoteDestination`], the [`DestinationHost`] that sends each duty (reserve a function,
+//! ready the VMM to receive, plug the function after the migration, resume the connections
+//! through the arrived guest's agent, discard a migrated copy, release the reservation) to
+//! the destination migrator; [`serve`] runs each request it accepts through a
+//! [`LocalDestination`] on its own host and answers.
 //!
-//! Frames are rdmamig-proto frames (size limit included) through [`crate::api::Channel`].
+//! Both ends authenticate with certificates from one CA (rustls, TLS 1.2/1.3): a peer without
+//! a certificate, or with one the CA did not sign, fails the handshake and nothing is read
+//! from it. A certificate the CA signed is not enough either: the other end's certificate
+//! must be one of the configured peers' (exact DER match), on both sides, so that one host's
+//! credentials cannot be replayed by a machine the operator did not list. Every request
+//! carries the protocol version and its deadline; another version is refused with its
+//! number, and nothing is done for a refused request. Frames are rdmamig-proto frames (size
+//! limit included) through [`crate::api::Channel`]; the handshake and the request have
+//! [`HANDSHAKE_TIMEOUT`], the work the request's deadline (at most [`MAX_CALL`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
+use async_trait::async_trait;
+use rdmamig_proto::agent::ConnectionOutcome;
+use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::DeviceSpec;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
@@ -24,60 +33,85 @@ use thiserror::Error;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+use crate::agent::Outcomes;
 use crate::api::{ApiError, Channel};
-use crate::mover::{error_chain, Backends};
+use crate::destination::{DestinationHost, LocalDestination, MoveRef, Plugged};
+use crate::mover::{error_chain, Backends, StepError};
 use crate::plan::Endpoint;
-use crate::pool::{Attachment, Pool};
+use crate::pool::{Attachment, KnownPeer, Pool};
 
-/// The version of the peer protocol this build speaks.
-pub const PEER_PROTOCOL_VERSION: u32 = 1;
+/// The version of the peer protocol this build speaks (2: the source side, with deadlines,
+/// resume and discard).
+pub const PEER_PROTOCOL_VERSION: u32 = 2;
+
+/// Time a peer has to finish the TLS handshake and send its request.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest a destination works on one request, whatever its deadline says.
+pub const MAX_CALL: Duration = Duration::from_secs(120);
+
+/// Time a source allows, beyond a call's deadline, for connecting, the handshake and the
+/// answer's way back.
+const CALL_SLACK: Duration = Duration::from_secs(5);
 
 /// One request from a source migrator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerRequest {
     /// [`PEER_PROTOCOL_VERSION`] of the sender.
     pub version: u32,
+    /// How long the destination may work on it, ms.
+    pub deadline_ms: u64,
     /// What is asked.
     pub call: PeerCall,
 }
 
-/// The destination's duties.
+/// The destination's duties, one per [`DestinationHost`] method.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "call", rename_all = "snake_case")]
 pub enum PeerCall {
     /// Reserve a function from the destination's pool for a move.
     Reserve {
         /// The move.
-        move_id: String,
+        of: MoveRef,
+    },
+    /// Ready the destination VMM to receive the migration.
+    PrepareReceive {
+        /// The destination VMM on that host.
+        endpoint: Endpoint,
+        /// Where the migration stream arrives.
+        via: String,
+    },
+    /// Plug the device (or the reserved function) into the arrived VM.
+    Attach {
+        /// The destination VMM on that host.
+        endpoint: Endpoint,
+        /// The move.
+        of: MoveRef,
+        /// The reserved function, if the move took one from the pool.
+        function: Option<String>,
+        /// The device (id, bus, MAC) the function's own properties go over.
+        device: DeviceSpec,
+        /// Do not plug a device that is already there.
+        check_first: bool,
+    },
+    /// Resume the connections through the arrived guest's agent.
+    Resume {
+        /// The destination VMM on that host.
+        endpoint: Endpoint,
+        /// The connections the source listed.
+        connections: Vec<ConnectionId>,
+    },
+    /// Stop the destination VMM (a rollback after the migration completed).
+    Discard {
+        /// The destination VMM on that host.
+        endpoint: Endpoint,
     },
     /// Give a reservation (or an attached function, after a failed move) back.
     Release {
         /// The function.
         function: String,
         /// The move.
-        move_id: String,
-        /// The VM.
-        vm: String,
-    },
-    /// Ready the destination VMM to receive the migration.
-    PrepareReceive {
-        /// The destination VMM's control socket on that host.
-        qmp: PathBuf,
-        /// Where the migration stream arrives.
-        via: String,
-    },
-    /// Plug the reserved function into the arrived VM.
-    Attach {
-        /// The destination VMM's control socket on that host.
-        qmp: PathBuf,
-        /// The function.
-        function: String,
-        /// The move.
-        move_id: String,
-        /// The VM.
-        vm: String,
-        /// The device (id, bus, MAC) the function's own properties go over.
-        device: DeviceSpec,
+        of: MoveRef,
     },
 }
 
@@ -91,6 +125,18 @@ pub enum PeerAnswer {
         function: String,
         /// How it is plugged.
         attachment: Attachment,
+    },
+    /// A device was plugged.
+    Plugged {
+        /// What.
+        plugged: Plugged,
+    },
+    /// The agent resumed the connections (some may have failed).
+    Resumed {
+        /// Per connection.
+        outcomes: Vec<ConnectionOutcome>,
+        /// The agent's own time, ms.
+        elapsed_ms: u64,
     },
     /// The call was done.
     Done,
@@ -139,11 +185,50 @@ pub enum PeerError {
         #[source]
         source: std::io::Error,
     },
+    /// The destination presented a certificate the CA signed but no configured peer has.
+    #[error(
+        "the migrator at {address} presented a certificate that is not {expected}'s in the \
+         [[peer.known]] list"
+    )]
+    UnknownServer {
+        /// The address.
+        address: String,
+        /// Whose certificate was expected.
+        expected: String,
+    },
     /// The server name is not a valid DNS name or address.
     #[error("{name:?} is not a valid peer name")]
     ServerName {
         /// The name.
         name: String,
+    },
+    /// `--destination-migrator` names no configured peer and is not `host:port`.
+    #[error(
+        "destination migrator {target:?} is neither a [[peer.known]] name in the config ({known}) \
+         nor host:port"
+    )]
+    UnknownPeer {
+        /// What was given.
+        target: String,
+        /// The configured names.
+        known: String,
+    },
+    /// The named peer has no address to reach it at.
+    #[error("peer {name} has no address in the config ([[peer.known]] address = \"host:port\")")]
+    NoAddress {
+        /// The peer.
+        name: String,
+    },
+    /// This daemon has no `[peer]` table, so it cannot authenticate to another migrator.
+    #[error("this daemon has no [peer] table in its config: it cannot talk to other migrators")]
+    NotConfigured,
+    /// The exchange did not end within its deadline.
+    #[error("the peer migrator at {address} did not answer within {deadline_ms} ms")]
+    TimedOut {
+        /// The peer.
+        address: String,
+        /// The deadline.
+        deadline_ms: u64,
     },
     /// Framing or transport failed.
     #[error("talking to the peer migrator failed")]
@@ -151,6 +236,37 @@ pub enum PeerError {
     /// The peer closed before answering.
     #[error("the peer migrator closed the connection without an answer")]
     NoAnswer,
+    /// The destination migrator did not do what was asked.
+    #[error("the destination migrator {peer} refused: {reason}")]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// Its reason.
+        reason: String,
+    },
+    /// The answer does not answer the call.
+    #[error("the destination migrator {peer} answered {call} with something else")]
+    Unexpected {
+        /// The peer.
+        peer: String,
+        /// The call.
+        call: &'static str,
+    },
+}
+
+impl PeerError {
+    /// Whether the exchange ran out of time.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, PeerError::TimedOut { .. })
+    }
+}
+
+/// A configured peer's identity.
+#[derive(Clone)]
+struct Known {
+    name: String,
+    cert: CertificateDer<'static>,
+    address: Option<String>,
 }
 
 /// This host's TLS identity and whom it trusts.
@@ -159,8 +275,8 @@ pub struct PeerTls {
     certs: Vec<CertificateDer<'static>>,
     key: Arc<PrivateKeyDer<'static>>,
     roots: Arc<RootCertStore>,
-    /// The peers this host talks to, by name, with their certificates.
-    peers: Vec<(String, CertificateDer<'static>)>,
+    /// The peers this host talks to, with their certificates and addresses.
+    peers: Vec<Known>,
 }
 
 fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, PeerError> {
@@ -184,13 +300,13 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 impl PeerTls {
-    /// Loads this host's certificate chain and key, the CA, and the peers' certificates
-    /// (`name`, path), all PEM.
+    /// Loads this host's certificate chain and key, the CA, and the peers' certificates,
+    /// all PEM.
     pub fn load(
         cert: &Path,
         key: &Path,
         ca: &Path,
-        peers: &[(String, PathBuf)],
+        peers: &[KnownPeer],
     ) -> Result<PeerTls, PeerError> {
         let certs = load_certs(cert)?;
         let load_key = |source| PeerError::Load {
@@ -207,9 +323,13 @@ impl PeerTls {
             roots.add(c).map_err(PeerError::Config)?;
         }
         let mut known = Vec::new();
-        for (name, path) in peers {
-            for c in load_certs(path)? {
-                known.push((name.clone(), c));
+        for peer in peers {
+            for cert in load_certs(&peer.cert)? {
+                known.push(Known {
+                    name: peer.name.clone(),
+                    cert,
+                    address: peer.address.clone(),
+                });
             }
         }
         Ok(PeerTls {
@@ -245,8 +365,69 @@ impl PeerTls {
     fn known(&self, cert: &CertificateDer<'_>) -> Option<&str> {
         self.peers
             .iter()
-            .find(|(_, c)| c.as_ref() == cert.as_ref())
-            .map(|(name, _)| name.as_str())
+            .find(|k| k.cert.as_ref() == cert.as_ref())
+            .map(|k| k.name.as_str())
+    }
+
+    /// Where `target` (a configured peer's name, or `host:port`) is reached.
+    pub fn resolve(&self, target: &str) -> Result<PeerTarget, PeerError> {
+        if let Some(peer) = self.peers.iter().find(|k| k.name == target) {
+            let address = peer.address.clone().ok_or_else(|| PeerError::NoAddress {
+                name: peer.name.clone(),
+            })?;
+            return Ok(PeerTarget {
+                server_name: host_of(&address).to_string(),
+                address,
+                name: Some(peer.name.clone()),
+            });
+        }
+        let port_ok = target
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !port_ok {
+            let mut names: Vec<&str> = self.peers.iter().map(|k| k.name.as_str()).collect();
+            names.dedup();
+            return Err(PeerError::UnknownPeer {
+                target: target.into(),
+                known: if names.is_empty() {
+                    "none configured".into()
+                } else {
+                    names.join(", ")
+                },
+            });
+        }
+        Ok(PeerTarget {
+            server_name: host_of(target).to_string(),
+            address: target.into(),
+            name: None,
+        })
+    }
+}
+
+/// The host part of `host:port` (`[v6]:port` without the brackets).
+fn host_of(address: &str) -> &str {
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// A destination migrator, resolved from `--destination-migrator`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTarget {
+    /// `host:port`.
+    pub address: String,
+    /// The name its certificate must carry (the host part of the address).
+    pub server_name: String,
+    /// Its configured name; `None` when given as `host:port` (then any configured peer's
+    /// certificate is accepted from it).
+    pub name: Option<String>,
+}
+
+impl std::fmt::Display for PeerTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.name {
+            Some(name) => write!(f, "migrator {name} ({})", self.address),
+            None => write!(f, "migrator at {}", self.address),
+        }
     }
 }
 
@@ -266,36 +447,44 @@ pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Resu
     loop {
         let Ok((stream, address)) = listener.accept().await else {
             // Out of descriptors or similar: do not spin.
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let acceptor = acceptor.clone();
         let destination = destination.clone();
         tokio::spawn(async move {
-            let tls = match acceptor.accept(stream).await {
-                Ok(tls) => tls,
-                Err(e) => {
-                    tracing::warn!(%address, "refused a peer: TLS handshake failed: {e}");
-                    return;
-                }
-            };
-            let peer = tls
-                .get_ref()
-                .1
-                .peer_certificates()
-                .and_then(|certs| certs.first())
-                .and_then(|cert| destination.tls.known(cert))
-                .map(str::to_string);
-            let mut channel = Channel::new(tls);
-            let Some(peer) = peer else {
-                tracing::warn!(%address, "refused a peer whose certificate is not configured");
-                let reason = "unknown peer: this certificate is not in the destination's \
-                              peers list"
-                    .to_string();
-                let _ = channel.send(&PeerAnswer::Refused { reason }).await;
+            let opened = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+                let tls = match acceptor.accept(stream).await {
+                    Ok(tls) => tls,
+                    Err(e) => {
+                        tracing::warn!(%address, "refused a peer: TLS handshake failed: {e}");
+                        return None;
+                    }
+                };
+                let peer = tls
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|certs| certs.first())
+                    .and_then(|cert| destination.tls.known(cert))
+                    .map(str::to_string);
+                let mut channel = Channel::new(tls);
+                let Some(peer) = peer else {
+                    tracing::warn!(%address, "refused a peer whose certificate is not configured");
+                    let reason = "unknown peer: this certificate is not in the destination's \
+                                  peers list"
+                        .to_string();
+                    let _ = channel.send(&PeerAnswer::Refused { reason }).await;
+                    return None;
+                };
+                let request = channel.receive::<PeerRequest>().await;
+                Some((peer, channel, request))
+            })
+            .await;
+            let Ok(Some((peer, mut channel, request))) = opened else {
                 return;
             };
-            let answer = match channel.receive::<PeerRequest>().await {
+            let answer = match request {
                 Ok(Some(request)) if request.version != PEER_PROTOCOL_VERSION => {
                     PeerAnswer::Refused {
                         reason: format!(
@@ -306,112 +495,153 @@ pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Resu
                 }
                 Ok(Some(request)) => {
                     tracing::info!(%peer, call = ?request.call, "peer request");
-                    destination.handle(request.call).await
+                    let deadline = Duration::from_millis(request.deadline_ms).min(MAX_CALL);
+                    let local = LocalDestination::new(
+                        destination.backends.clone(),
+                        destination.pool.clone(),
+                    );
+                    match tokio::time::timeout(deadline, handle(&local, request.call, deadline))
+                        .await
+                    {
+                        Ok(answer) => answer,
+                        Err(_) => PeerAnswer::Refused {
+                            reason: format!(
+                                "not done within the request's deadline of {} ms",
+                                deadline.as_millis()
+                            ),
+                        },
+                    }
                 }
                 Ok(None) => return,
                 Err(e) => PeerAnswer::Refused {
                     reason: format!("bad request: {}", error_chain(&e)),
                 },
             };
+            if let PeerAnswer::Refused { reason } = &answer {
+                tracing::warn!(%peer, "peer request refused: {reason}");
+            }
             let _ = channel.send(&answer).await;
         });
     }
 }
 
-impl Destination {
-    async fn handle(&self, call: PeerCall) -> PeerAnswer {
-        let refused = |e: &dyn std::error::Error| PeerAnswer::Refused {
-            reason: error_chain(e),
-        };
-        match call {
-            PeerCall::Reserve { move_id } => match self.pool.reserve(&move_id) {
-                Ok((function, attachment)) => PeerAnswer::Reserved {
+/// Does one duty on this host.
+async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) -> PeerAnswer {
+    let result = match call {
+        PeerCall::Reserve { of } => {
+            local
+                .reserve(&of, deadline)
+                .await
+                .map(|(function, attachment)| PeerAnswer::Reserved {
                     function,
                     attachment,
-                },
-                Err(e) => refused(&e),
-            },
-            PeerCall::Release {
-                function,
-                move_id,
-                vm,
-            } => match self.pool.release(&function, &move_id, &vm) {
-                Ok(()) => PeerAnswer::Done,
-                Err(e) => refused(&e),
-            },
-            PeerCall::PrepareReceive { qmp, via } => {
-                let endpoint = Endpoint { qmp, agent: None };
-                match self.backends.connect(&endpoint).await {
-                    Ok(vmm) => match vmm.prepare_incoming(&via).await {
-                        Ok(()) => PeerAnswer::Done,
-                        Err(e) => refused(&e),
-                    },
-                    Err(e) => refused(&e),
-                }
-            }
-            PeerCall::Attach {
-                qmp,
-                function,
-                move_id,
-                vm,
-                device,
-            } => {
-                let attachment = self
-                    .pool
-                    .list()
-                    .into_iter()
-                    .find(|f| f.name == function)
-                    .map(|f| f.attachment);
-                let Some(attachment) = attachment else {
-                    return PeerAnswer::Refused {
-                        reason: format!("no function {function} in the destination's pool"),
-                    };
-                };
-                let endpoint = Endpoint { qmp, agent: None };
-                let spec = crate::pool::device_for(&attachment, &device);
-                let added = match self.backends.connect(&endpoint).await {
-                    Ok(vmm) => vmm.add_device(&spec).await,
-                    Err(e) => return refused(&e),
-                };
-                match added.map_err(|e| error_chain(&e)).and_then(|_| {
-                    self.pool
-                        .attach(&function, &move_id, &vm)
-                        .map_err(|e| error_chain(&e))
-                }) {
-                    Ok(()) => PeerAnswer::Done,
-                    Err(reason) => PeerAnswer::Refused { reason },
-                }
-            }
+                })
         }
-    }
+        PeerCall::PrepareReceive { endpoint, via } => local
+            .prepare_receive(&endpoint, &via, deadline)
+            .await
+            .map(|()| PeerAnswer::Done),
+        PeerCall::Attach {
+            endpoint,
+            of,
+            function,
+            device,
+            check_first,
+        } => local
+            .attach(
+                &endpoint,
+                &of,
+                function.as_deref(),
+                &device,
+                check_first,
+                deadline,
+            )
+            .await
+            .map(|plugged| PeerAnswer::Plugged { plugged }),
+        PeerCall::Resume {
+            endpoint,
+            connections,
+        } => local
+            .resume(&endpoint, &connections, deadline)
+            .await
+            .map(|result| PeerAnswer::Resumed {
+                outcomes: result.outcomes,
+                elapsed_ms: result.elapsed_ms,
+            }),
+        PeerCall::Discard { endpoint } => local
+            .discard(&endpoint, deadline)
+            .await
+            .map(|()| PeerAnswer::Done),
+        PeerCall::Release { function, of } => local
+            .release(&function, &of, deadline)
+            .await
+            .map(|()| PeerAnswer::Done),
+    };
+    result.unwrap_or_else(|e| PeerAnswer::Refused {
+        reason: error_chain(&e),
+    })
 }
 
-/// Sends one request to the destination migrator at `address` (`host:port`), which must
-/// present a certificate for `server_name` signed by the CA.
+/// Sends one request to the destination migrator `target` and returns its answer, all
+/// within the request's deadline plus [`CALL_SLACK`]. The destination must present a
+/// certificate the CA signed for `target.server_name` that is a configured peer's (the
+/// named peer's, when `target` has a name).
 pub async fn call(
     tls: &PeerTls,
-    address: &str,
-    server_name: &str,
+    target: &PeerTarget,
+    request: &PeerRequest,
+) -> Result<PeerAnswer, PeerError> {
+    let limit = Duration::from_millis(request.deadline_ms) + CALL_SLACK;
+    tokio::time::timeout(limit, exchange(tls, target, request))
+        .await
+        .unwrap_or_else(|_| {
+            Err(PeerError::TimedOut {
+                address: target.address.clone(),
+                deadline_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+            })
+        })
+}
+
+async fn exchange(
+    tls: &PeerTls,
+    target: &PeerTarget,
     request: &PeerRequest,
 ) -> Result<PeerAnswer, PeerError> {
     let connector = TlsConnector::from(Arc::new(tls.client_config()?));
     let name =
-        ServerName::try_from(server_name.to_string()).map_err(|_| PeerError::ServerName {
-            name: server_name.into(),
+        ServerName::try_from(target.server_name.clone()).map_err(|_| PeerError::ServerName {
+            name: target.server_name.clone(),
         })?;
-    let stream = TcpStream::connect(address)
+    let stream = TcpStream::connect(&target.address)
         .await
         .map_err(|source| PeerError::Connect {
-            address: address.into(),
+            address: target.address.clone(),
             source,
         })?;
     let stream = connector
         .connect(name, stream)
         .await
         .map_err(|source| PeerError::Handshake {
-            address: address.into(),
+            address: target.address.clone(),
             source,
         })?;
+    let presented = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .and_then(|cert| tls.known(cert));
+    let expected_ok = match (&target.name, presented) {
+        (Some(name), Some(presented)) => name == presented,
+        (None, Some(_)) => true,
+        (_, None) => false,
+    };
+    if !expected_ok {
+        return Err(PeerError::UnknownServer {
+            address: target.address.clone(),
+            expected: target.name.clone().unwrap_or_else(|| "any peer".into()),
+        });
+    }
     let mut channel = Channel::new(stream);
     channel.send(request).await?;
     channel
@@ -420,10 +650,162 @@ pub async fn call(
         .ok_or(PeerError::NoAnswer)
 }
 
+/// The destination is another migrator, reached over mutual TLS.
+pub struct RemoteDestination {
+    tls: PeerTls,
+    target: PeerTarget,
+}
+
+impl RemoteDestination {
+    /// A destination behind the migrator `target`.
+    pub fn new(tls: PeerTls, target: PeerTarget) -> RemoteDestination {
+        RemoteDestination { tls, target }
+    }
+
+    async fn ask(&self, duty: PeerCall, deadline: Duration) -> Result<PeerAnswer, StepError> {
+        let request = PeerRequest {
+            version: PEER_PROTOCOL_VERSION,
+            deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+            call: duty,
+        };
+        match call(&self.tls, &self.target, &request).await? {
+            PeerAnswer::Refused { reason } => Err(PeerError::Refused {
+                peer: self.target.to_string(),
+                reason,
+            }
+            .into()),
+            answer => Ok(answer),
+        }
+    }
+
+    fn unexpected(&self, call: &'static str) -> StepError {
+        PeerError::Unexpected {
+            peer: self.target.to_string(),
+            call,
+        }
+        .into()
+    }
+}
+
+#[async_trait]
+impl DestinationHost for RemoteDestination {
+    fn describe(&self) -> String {
+        self.target.to_string()
+    }
+
+    async fn reserve(
+        &self,
+        of: &MoveRef,
+        deadline: Duration,
+    ) -> Result<(String, Attachment), StepError> {
+        match self
+            .ask(PeerCall::Reserve { of: of.clone() }, deadline)
+            .await?
+        {
+            PeerAnswer::Reserved {
+                function,
+                attachment,
+            } => Ok((function, attachment)),
+            _ => Err(self.unexpected("reserve")),
+        }
+    }
+
+    async fn prepare_receive(
+        &self,
+        endpoint: &Endpoint,
+        via: &str,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
+        let call = PeerCall::PrepareReceive {
+            endpoint: endpoint.clone(),
+            via: via.into(),
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Done => Ok(()),
+            _ => Err(self.unexpected("prepare_receive")),
+        }
+    }
+
+    async fn attach(
+        &self,
+        endpoint: &Endpoint,
+        of: &MoveRef,
+        function: Option<&str>,
+        device: &DeviceSpec,
+        check_first: bool,
+        deadline: Duration,
+    ) -> Result<Plugged, StepError> {
+        let call = PeerCall::Attach {
+            endpoint: endpoint.clone(),
+            of: of.clone(),
+            function: function.map(str::to_string),
+            device: device.clone(),
+            check_first,
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Plugged { plugged } => Ok(plugged),
+            _ => Err(self.unexpected("attach")),
+        }
+    }
+
+    async fn resume(
+        &self,
+        endpoint: &Endpoint,
+        connections: &[ConnectionId],
+        deadline: Duration,
+    ) -> Result<Outcomes, StepError> {
+        let call = PeerCall::Resume {
+            endpoint: endpoint.clone(),
+            connections: connections.to_vec(),
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Resumed {
+                outcomes,
+                elapsed_ms,
+            } => Ok(Outcomes {
+                outcomes,
+                elapsed_ms,
+            }),
+            _ => Err(self.unexpected("resume")),
+        }
+    }
+
+    async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError> {
+        let call = PeerCall::Discard {
+            endpoint: endpoint.clone(),
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Done => Ok(()),
+            _ => Err(self.unexpected("discard")),
+        }
+    }
+
+    async fn release(
+        &self,
+        function: &str,
+        of: &MoveRef,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
+        let call = PeerCall::Release {
+            function: function.into(),
+            of: of.clone(),
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Done => Ok(()),
+            _ => Err(self.unexpected("release")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fakes::{FakeBackends, FakeHost};
+    use crate::fakes::{FakeBackends, FakeHost, Where};
+    use crate::journal::Journal;
+    use crate::machine::Phase;
+    use crate::mover::{run_move, MoveContext, VmLocation};
+    use crate::plan::tests::plan;
+    use crate::pool::FunctionState;
     use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 
     /// A CA and certificates it signs, written as PEM files in a directory.
@@ -444,10 +826,12 @@ mod tests {
             Pki { dir, ca, ca_key }
         }
 
-        /// Issues `name` (DNS name `localhost`); returns (cert, key) paths.
+        /// Issues `name` (DNS name `localhost`, address 127.0.0.1); returns (cert, key)
+        /// paths.
         fn issue(&self, name: &str) -> (PathBuf, PathBuf) {
             let key = KeyPair::generate().unwrap();
-            let mut params = CertificateParams::new(vec!["localhost".into()]).unwrap();
+            let mut params =
+                CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
             params.extended_key_usages = vec![
                 ExtendedKeyUsagePurpose::ServerAuth,
                 ExtendedKeyUsagePurpose::ClientAuth,
@@ -460,17 +844,27 @@ mod tests {
             (cert_path, key_path)
         }
 
-        fn tls(&self, (cert, key): &(PathBuf, PathBuf), peers: &[(&str, &PathBuf)]) -> PeerTls {
-            let peers: Vec<(String, PathBuf)> = peers
+        /// `peers`: (name, certificate, address).
+        fn tls(
+            &self,
+            (cert, key): &(PathBuf, PathBuf),
+            peers: &[(&str, &PathBuf, Option<&str>)],
+        ) -> PeerTls {
+            let peers: Vec<KnownPeer> = peers
                 .iter()
-                .map(|(n, p)| (n.to_string(), (*p).clone()))
+                .map(|(name, cert, address)| KnownPeer {
+                    name: name.to_string(),
+                    cert: (*cert).clone(),
+                    address: address.map(str::to_string),
+                })
                 .collect();
             PeerTls::load(cert, key, &self.dir.path().join("ca.pem"), &peers).unwrap()
         }
     }
 
-    /// A destination with one pool function, serving on a loopback port.
-    async fn destination(tls: PeerTls) -> (String, Arc<Pool>, tempfile::TempDir) {
+    /// A destination with one pool function on the fake host `host`, serving on a loopback
+    /// port.
+    async fn destination(tls: PeerTls, host: &FakeHost) -> (String, Arc<Pool>, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let config: crate::pool::Config =
             toml::from_str("[[pool.function]]\nname = \"vf0\"\npci = \"0000:3b:00.2\"\n").unwrap();
@@ -480,72 +874,122 @@ mod tests {
         let destination = Arc::new(Destination {
             tls,
             pool: pool.clone(),
-            backends: Arc::new(FakeBackends(FakeHost::new())),
+            backends: Arc::new(FakeBackends(host.clone())),
         });
         tokio::spawn(serve(listener, destination));
         (address, pool, dir)
     }
 
+    fn of() -> MoveRef {
+        MoveRef {
+            move_id: "m1".into(),
+            vm: "vm1".into(),
+        }
+    }
+
     fn reserve() -> PeerRequest {
         PeerRequest {
             version: PEER_PROTOCOL_VERSION,
-            call: PeerCall::Reserve {
-                move_id: "m1".into(),
-            },
+            deadline_ms: 1000,
+            call: PeerCall::Reserve { of: of() },
+        }
+    }
+
+    fn target(address: &str) -> PeerTarget {
+        PeerTarget {
+            address: address.into(),
+            server_name: "localhost".into(),
+            name: None,
+        }
+    }
+
+    /// A source daemon's context whose `[peer]` knows the destination as `dst` at `address`.
+    fn source_context(tls: PeerTls, host: &FakeHost, dir: &Path) -> MoveContext {
+        MoveContext {
+            backends: Arc::new(FakeBackends(host.clone())),
+            pool: Arc::new(Pool::open(&Default::default(), &dir.join("pool.json")).unwrap()),
+            peers: Some(tls),
+            boundary: None,
         }
     }
 
     #[tokio::test]
-    async fn a_known_peer_reserves_prepares_and_attaches_over_mutual_tls() {
+    async fn a_move_to_another_migrator_runs_every_duty_over_mutual_tls() {
         let pki = Pki::new("rdmamig");
         let (src, dst) = (pki.issue("src"), pki.issue("dst"));
-        let (address, pool, _dir) = destination(pki.tls(&dst, &[("src", &src.0)])).await;
-        let client = pki.tls(&src, &[("dst", &dst.0)]);
-        let answer = call(&client, &address, "localhost", &reserve())
-            .await
-            .unwrap();
-        assert!(
-            matches!(&answer, PeerAnswer::Reserved { function, .. } if function == "vf0"),
-            "{answer:?}"
+        let host = FakeHost::new();
+        let (address, pool, _dir) =
+            destination(pki.tls(&dst, &[("src", &src.0, None)]), &host).await;
+        let dir = tempfile::tempdir().unwrap();
+        let context = source_context(
+            pki.tls(&src, &[("dst", &dst.0, Some(&address))]),
+            &host,
+            dir.path(),
         );
-        let prepare = PeerRequest {
-            version: PEER_PROTOCOL_VERSION,
-            call: PeerCall::PrepareReceive {
-                qmp: "/d/qmp".into(),
-                via: "tcp:10.0.0.2:4444".into(),
-            },
-        };
+        let mut plan = plan();
+        plan.from_pool = true;
+        plan.destination_migrator = Some("dst".into());
+        let journal = Journal::create(dir.path(), "m1", &plan).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let report = run_move("m1".into(), plan, journal, context, events).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.function.as_deref(), Some("vf0"));
+        let prepare = &report.timeline.phases[0].details;
         assert_eq!(
-            call(&client, &address, "localhost", &prepare)
-                .await
-                .unwrap(),
-            PeerAnswer::Done
+            prepare["destination"],
+            format!("migrator dst ({address})").as_str()
         );
-        let attach = PeerRequest {
-            version: PEER_PROTOCOL_VERSION,
-            call: PeerCall::Attach {
-                qmp: "/d/qmp".into(),
-                function: "vf0".into(),
-                move_id: "m1".into(),
-                vm: "vm1".into(),
-                device: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,bus=rp1").unwrap(),
-            },
-        };
-        assert_eq!(
-            call(&client, &address, "localhost", &attach).await.unwrap(),
-            PeerAnswer::Done
-        );
+        let attach = &report.timeline.phases[4].details;
+        assert_eq!(attach["driver"], "vfio-pci", "{attach:?}");
+        // The destination's own pool has the function attached to the VM; the arrived guest
+        // resumed its connections through the destination's agent.
         assert_eq!(
             pool.state("vf0"),
-            Some(crate::pool::FunctionState::Attached { vm: "vm1".into() })
+            Some(FunctionState::Attached { vm: "vm1".into() })
         );
+        let state = host.state();
+        assert_eq!(state.guest, Where::Destination);
+        assert_eq!(state.resumed_on, [Where::Destination]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_remote_move_releases_the_destination_reservation_through_the_channel() {
+        let pki = Pki::new("rdmamig");
+        let (src, dst) = (pki.issue("src"), pki.issue("dst"));
+        let host = FakeHost::new();
+        let (address, pool, _dir) =
+            destination(pki.tls(&dst, &[("src", &src.0, None)]), &host).await;
+        host.fail("dst.add_device", crate::fakes::Fault::Refuse);
+        let dir = tempfile::tempdir().unwrap();
+        let context = source_context(pki.tls(&src, &[("dst", &dst.0, None)]), &host, dir.path());
+        let mut plan = plan();
+        plan.from_pool = true;
+        plan.destination_migrator = Some(address.clone());
+        let journal = Journal::create(dir.path(), "m1", &plan).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let report = run_move("m1".into(), plan, journal, context, events).await;
+        assert_eq!(report.final_phase, Phase::RolledBack, "{report:#?}");
+        assert_eq!(report.failed_phase, Some(Phase::Attach));
+        assert_eq!(report.vm_location, VmLocation::Source);
+        let error = report.error.unwrap();
+        assert!(
+            error.contains(&format!(
+                "the destination migrator migrator at {address} refused"
+            )),
+            "{error}"
+        );
+        let steps = report.timeline.phases.last().unwrap().details["steps"].to_string();
+        assert!(steps.contains("destination VMM stopped"), "{steps}");
+        assert!(steps.contains("function vf0 released"), "{steps}");
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+        assert!(host.state().destination_gone);
     }
 
     #[tokio::test]
     async fn a_certificate_from_another_ca_is_refused_in_the_handshake() {
         let pki = Pki::new("rdmamig");
         let dst = pki.issue("dst");
-        let (address, pool, _dir) = destination(pki.tls(&dst, &[])).await;
+        let (address, pool, _dir) = destination(pki.tls(&dst, &[]), &FakeHost::new()).await;
         let rogue = Pki::new("rogue");
         let intruder = rogue.issue("intruder");
         // The intruder trusts the real CA (so it accepts the server) but presents its own.
@@ -553,10 +997,14 @@ mod tests {
             &intruder.0,
             &intruder.1,
             &pki.dir.path().join("ca.pem"),
-            &[],
+            &[KnownPeer {
+                name: "dst".into(),
+                cert: dst.0.clone(),
+                address: None,
+            }],
         )
         .unwrap();
-        let err = call(&intruder_tls, &address, "localhost", &reserve())
+        let err = call(&intruder_tls, &target(&address), &reserve())
             .await
             .unwrap_err();
         // TLS 1.3: the server's refusal arrives as an alert when the client reads.
@@ -564,10 +1012,10 @@ mod tests {
             matches!(err, PeerError::Handshake { .. } | PeerError::Api(_)),
             "{err:?}"
         );
-        assert_eq!(pool.state("vf0"), Some(crate::pool::FunctionState::Free));
-        // And a server the client's CA did not sign is refused by the client.
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+        // And a server the client's CA did not sign is refused by the sending side.
         let mismatched = rogue.tls(&intruder, &[]);
-        let err = call(&mismatched, &address, "localhost", &reserve())
+        let err = call(&mismatched, &target(&address), &reserve())
             .await
             .unwrap_err();
         assert!(matches!(err, PeerError::Handshake { .. }), "{err:?}");
@@ -577,25 +1025,78 @@ mod tests {
     async fn a_signed_but_unknown_peer_and_another_version_are_refused() {
         let pki = Pki::new("rdmamig");
         let (src, dst, other) = (pki.issue("src"), pki.issue("dst"), pki.issue("other"));
-        let (address, pool, _dir) = destination(pki.tls(&dst, &[("src", &src.0)])).await;
-        let stranger = pki.tls(&other, &[]);
-        let answer = call(&stranger, &address, "localhost", &reserve())
+        let (address, pool, _dir) =
+            destination(pki.tls(&dst, &[("src", &src.0, None)]), &FakeHost::new()).await;
+        let stranger = pki.tls(&other, &[("dst", &dst.0, None)]);
+        let answer = call(&stranger, &target(&address), &reserve())
             .await
             .unwrap();
         assert!(
             matches!(&answer, PeerAnswer::Refused { reason } if reason.starts_with("unknown peer")),
             "{answer:?}"
         );
-        let client = pki.tls(&src, &[]);
+        let client = pki.tls(&src, &[("dst", &dst.0, None)]);
         let mut future = reserve();
-        future.version = 2;
-        let answer = call(&client, &address, "localhost", &future).await.unwrap();
+        future.version = 3;
+        let answer = call(&client, &target(&address), &future).await.unwrap();
         assert_eq!(
             answer,
             PeerAnswer::Refused {
-                reason: "unsupported peer protocol version 2 (this migrator speaks 1)".into()
+                reason: "unsupported peer protocol version 3 (this migrator speaks 2)".into()
             }
         );
-        assert_eq!(pool.state("vf0"), Some(crate::pool::FunctionState::Free));
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+    }
+
+    #[tokio::test]
+    async fn the_sending_side_refuses_a_destination_that_is_not_the_listed_peer() {
+        let pki = Pki::new("rdmamig");
+        let (src, dst, other) = (pki.issue("src"), pki.issue("dst"), pki.issue("other"));
+        // `other` serves, signed by the right CA, but the source expects `dst` there.
+        let (address, pool, _dir) =
+            destination(pki.tls(&other, &[("src", &src.0, None)]), &FakeHost::new()).await;
+        let client = pki.tls(
+            &src,
+            &[("dst", &dst.0, Some(&address)), ("other", &other.0, None)],
+        );
+        let err = call(&client, &client.resolve("dst").unwrap(), &reserve())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, PeerError::UnknownServer { .. }), "{err:?}");
+        assert!(err.to_string().contains("not dst's"), "{err}");
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+    }
+
+    #[test]
+    fn destinations_resolve_by_name_or_address() {
+        let pki = Pki::new("rdmamig");
+        let (src, dst) = (pki.issue("src"), pki.issue("dst"));
+        let tls = pki.tls(
+            &src,
+            &[
+                ("dst", &dst.0, Some("hostb.example:7478")),
+                ("nowhere", &dst.0, None),
+            ],
+        );
+        assert_eq!(
+            tls.resolve("dst").unwrap(),
+            PeerTarget {
+                address: "hostb.example:7478".into(),
+                server_name: "hostb.example".into(),
+                name: Some("dst".into()),
+            }
+        );
+        let direct = tls.resolve("[::1]:7478").unwrap();
+        assert_eq!((direct.server_name.as_str(), direct.name), ("::1", None));
+        assert!(matches!(
+            tls.resolve("nowhere"),
+            Err(PeerError::NoAddress { .. })
+        ));
+        let err = tls.resolve("hostc").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "destination migrator \"hostc\" is neither a [[peer.known]] name in the config \
+             (dst, nowhere) nor host:port"
+        );
     }
 }

@@ -109,8 +109,13 @@ pub struct MovePlan {
     pub vm: String,
     /// Where the VM runs now.
     pub source: Endpoint,
-    /// The VMM process that receives it (started with `-incoming defer`).
+    /// The VMM process that receives it (started with `-incoming defer`), on the host of
+    /// `destination_migrator` when that is given.
     pub destination: Endpoint,
+    /// The migrator that does the destination's duties (a `[[peer.known]]` name or
+    /// `host:port`), over mutual TLS; `None`: this host's daemon does them itself.
+    #[serde(default)]
+    pub destination_migrator: Option<String>,
     /// The device to unplug on the source (the RDMA NIC).
     pub detach: String,
     /// The device to plug on the destination.
@@ -225,6 +230,7 @@ pub(crate) mod tests {
                 qmp: "/d/qmp".into(),
                 agent: Some("/d/agent".into()),
             },
+            destination_migrator: None,
             detach: "nic0".into(),
             attach: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
             reattach: None,

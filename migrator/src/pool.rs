@@ -25,7 +25,8 @@
 //! name = "tap1"
 //! device = "driver=virtio-net-pci,netdev=nd1"
 //!
-//! # Optional: serve the destination's duties to other migrators (see `peer`).
+//! # Optional: talk to other migrators (see `peer`): serve the destination's duties on
+//! # `listen`, and drive destinations named by `rdmamig migrate --destination-migrator`.
 //! [peer]
 //! listen = "0.0.0.0:7478"
 //! cert = "/etc/rdmamig/tls/host.pem"
@@ -35,6 +36,7 @@
 //! [[peer.known]]
 //! name = "hostA"
 //! cert = "/etc/rdmamig/tls/peers/hostA.pem"
+//! address = "hostA.example:7478"
 //! ```
 
 use std::collections::BTreeMap;
@@ -94,27 +96,34 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeerConfig {
-    /// `address:port` to listen on.
-    pub listen: String,
+    /// `address:port` to serve the destination's duties on; a host that only sends moves
+    /// need not listen.
+    #[serde(default)]
+    pub listen: Option<String>,
     /// This host's certificate chain (PEM).
     pub cert: PathBuf,
     /// Its private key (PEM).
     pub key: PathBuf,
     /// The CA that signs every migrator's certificate (PEM).
     pub ca: PathBuf,
-    /// The migrators allowed to ask, each with its certificate.
+    /// The migrators this one talks to (either way), each with its certificate.
     #[serde(default, rename = "known")]
     pub known: Vec<KnownPeer>,
 }
 
-/// One migrator allowed to ask this one.
+/// One migrator this one talks to.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KnownPeer {
-    /// Its name, for logs.
+    /// Its name, for logs and `--destination-migrator`.
     pub name: String,
-    /// Its certificate (PEM); only this exact certificate is accepted for it.
+    /// Its certificate (PEM); only this exact certificate is accepted from it, whichever
+    /// side it is on.
     pub cert: PathBuf,
+    /// `host:port` its `[peer] listen` is reached at (needed to send it moves); the host
+    /// is the name its certificate must carry.
+    #[serde(default)]
+    pub address: Option<String>,
 }
 
 /// How a function is plugged.
@@ -748,7 +757,7 @@ mod tests {
         );
         let config: Config = toml::from_str(&text).unwrap();
         let peer = config.peer.unwrap();
-        assert_eq!(peer.listen, "0.0.0.0:7478");
+        assert_eq!(peer.listen.as_deref(), Some("0.0.0.0:7478"));
         assert_eq!(peer.known[0].name, "hostA");
         assert!(toml::from_str::<Config>("[peer]\nlisten = \"x\"\n").is_err());
     }
