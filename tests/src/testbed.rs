@@ -24,7 +24,7 @@ use crate::guest::{Guest, GuestError, GuestSpec, Launch, VmProcess};
 use crate::netns::{self, NetNs, NetnsError};
 
 /// The guest programs the project builds, installed into the image.
-pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic"];
+pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic", "rdmamig-perf"];
 /// The subnet guests live in (inside the test bed's namespace only).
 pub const SUBNET_PREFIX: &str = "10.77.0";
 /// The first host number handed out (guest a gets .11, b .12, ...).

@@ -1,0 +1,301 @@
+//! The rdmamig benchmark: ratios measured in one run on the test bed, never absolute targets
+//! (the guests are TCG-emulated, so absolute numbers say little; a ratio against a baseline
+//! measured on the same guests in the same run does).
+//!
+//! 1. Library overhead: message rate and latency of rdmamig's connection library
+//!    (`rdmamig-perf`) against raw verbs (perftest's `ib_send_bw`, rdma-core's
+//!    `ibv_rc_pingpong`) between the same two guests, interleaved, several rounds, medians of
+//!    the rounds compared.
+//! 2. Switching time: the largest delivery gap at the peer during a move with `reconnect`
+//!    and with the naive unplug-migrate-plug, beside the VMM's reported downtime.
+//!
+//! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
+//! builds the guest binaries). docs/benchmarks.md records the results.
+
+use std::time::Duration;
+
+use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
+use rdmamig_testbed::{error_chain, Guest, Testbed};
+use serde_json::Value;
+
+/// Message size of every overhead measurement, bytes (the traffic tool's default too).
+const SIZE: usize = 256;
+/// Messages per message-rate run.
+const COUNT: u32 = 20_000;
+/// Round trips per latency run.
+const ITERS: u32 = 1_000;
+/// Interleaved rounds (raw, then library) per measurement; the medians are compared.
+const ROUNDS: usize = 5;
+/// Port of the library's server (perftest uses its default, 18515).
+const PERF_PORT: u16 = 7480;
+/// Bound on one command in a guest.
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("benchmark failed: {}", error_chain(&*e));
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let bed = Testbed::new("bench")?;
+    println!("== library overhead: {SIZE}-byte messages, {ROUNDS} interleaved rounds");
+    let overhead = {
+        let server = bed.start_guest(bed.guest_spec("srv")?)?;
+        let client = bed.start_guest(bed.guest_spec("cli")?)?;
+        measure_overhead(&server, &client)?
+    };
+    println!("\n== switching time: one move with each strategy");
+    let daemon = Daemon::start(bed.dir())?;
+    let reconnect = scenario::run(&bed, &daemon, &ScenarioConfig::new(Strategy::Reconnect))?;
+    let naive = scenario::run(&bed, &daemon, &ScenarioConfig::new(Strategy::Naive))?;
+    if !reconnect.move_succeeded || !naive.move_succeeded {
+        return Err(format!(
+            "a move failed:\n{}\n{}",
+            reconnect.move_output, naive.move_output
+        )
+        .into());
+    }
+    println!("\n{}", overhead.render());
+    println!("{}", render_switching(&reconnect, &naive));
+    Ok(())
+}
+
+/// Every round's value of the raw-verbs and the library runs.
+struct Overhead {
+    raw_rate: Vec<f64>,
+    lib_rate: Vec<f64>,
+    raw_lat_us: Vec<f64>,
+    lib_lat_us: Vec<f64>,
+}
+
+impl Overhead {
+    fn render(&self) -> String {
+        let rate_ratio = median(&self.lib_rate) / median(&self.raw_rate);
+        let lat_ratio = median(&self.lib_lat_us) / median(&self.raw_lat_us);
+        format!(
+            "| library overhead ({SIZE} B), median (range) | raw verbs | rdmamig library | library / raw |\n\
+             |---------------------------------------------|----------:|----------------:|--------------:|\n\
+             | message rate (msg/s)                        | {:>9} | {:>15} | {:>13.3} |\n\
+             | latency (us, one way, mean of a run)        | {:>9} | {:>15} | {:>13.3} |\n\
+             target: message rate overhead under 10% (library / raw >= 0.900): {} ({:.1}% overhead)\n",
+            spread(&self.raw_rate),
+            spread(&self.lib_rate),
+            rate_ratio,
+            spread(&self.raw_lat_us),
+            spread(&self.lib_lat_us),
+            lat_ratio,
+            verdict(rate_ratio >= 0.9),
+            (1.0 - rate_ratio) * 100.0,
+        )
+    }
+}
+
+/// "median (min-max)": on a loaded 2-core host the rounds vary, and the reader should see by
+/// how much before trusting a ratio.
+fn spread(values: &[f64]) -> String {
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{:.0} ({min:.0}-{max:.0})", median(values))
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
+
+fn measure_overhead(
+    server: &Guest,
+    client: &Guest,
+) -> Result<Overhead, Box<dyn std::error::Error>> {
+    let at = server.spec().address().to_owned();
+    let (mut raw_rate, mut lib_rate, mut raw_lat, mut lib_lat) = (vec![], vec![], vec![], vec![]);
+    for round in 1..=ROUNDS {
+        let raw = raw_verbs(server, client, &at, &SEND_BW, &format!("-n {COUNT}"))?;
+        raw_rate.push(column(&raw, "MsgRate[Mpps]")? * 1e6);
+        let lib = library(server, client, &at, &format!("bw --count {COUNT}"))?;
+        lib_rate.push(number(&lib, "msg_rate")?);
+        let raw = raw_verbs(server, client, &at, &RC_PINGPONG, &format!("-n {ITERS}"))?;
+        raw_lat.push(usec_per_iter(&raw)? / 2.0);
+        let lib = library(server, client, &at, &format!("lat --iters {ITERS}"))?;
+        lib_lat.push(number(&lib, "mean_us")?);
+        println!(
+            "round {round}: rate raw {:.0} lib {:.0} msg/s; latency raw {:.1} lib {:.1} us",
+            raw_rate[round - 1],
+            lib_rate[round - 1],
+            raw_lat[round - 1],
+            lib_lat[round - 1]
+        );
+    }
+    Ok(Overhead {
+        raw_rate,
+        lib_rate,
+        raw_lat_us: raw_lat,
+        lib_lat_us: lib_lat,
+    })
+}
+
+/// A raw-verbs tool run as a pair: the same command on both sides, the client naming the
+/// server's address; both wait on the completion channel, as the library does (busy polling
+/// starves Soft-RoCE's own packet processing on the guests' single vCPU: ib_send_lat's
+/// t_typical measured 15-28 ms that way, instead of hundreds of us).
+struct RawTool {
+    program: &'static str,
+    options: &'static str,
+}
+
+/// perftest's message rate, RoCE v2 GID 1 (TESTBED.md), `-e` for events.
+const SEND_BW: RawTool = RawTool {
+    program: "ib_send_bw",
+    options: "-x 1 -F -e",
+};
+
+/// rdma-core's ping-pong, events (`-e`): perftest's ib_send_lat hangs with `-e` here.
+const RC_PINGPONG: RawTool = RawTool {
+    program: "ibv_rc_pingpong",
+    options: "-g 1 -e",
+};
+
+/// Runs `tool` (server in the background on `server`, client on `client`) and returns the
+/// client's output.
+fn raw_verbs(
+    server: &Guest,
+    client: &Guest,
+    at: &str,
+    tool: &RawTool,
+    args: &str,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let command = format!("{} {} -s {SIZE} {args}", tool.program, tool.options);
+    server.run_ok(
+        &format!("{command} >/tmp/raw-server.log 2>&1 &"),
+        RUN_TIMEOUT,
+    )?;
+    // Both tools' clients give up at once when the server is not listening yet (TCP 18515).
+    wait_listening(server, 18515)?;
+    let out = client.run_ok(&format!("{command} {at} 2>&1"), RUN_TIMEOUT)?;
+    server.run_ok("wait", RUN_TIMEOUT)?;
+    Ok(out)
+}
+
+/// ibv_rc_pingpong's round-trip time: "<n> iters in <s> seconds = <t> usec/iter".
+fn usec_per_iter(output: &str) -> Result<f64, Box<dyn std::error::Error>> {
+    let value = output
+        .lines()
+        .find_map(|l| l.strip_suffix(" usec/iter"))
+        .and_then(|l| l.rsplit(' ').next())
+        .ok_or_else(|| format!("no usec/iter in:\n{output}"))?;
+    Ok(value.parse()?)
+}
+
+/// Runs `rdmamig-perf <args>` against a fresh `rdmamig-perf serve` and returns its JSON.
+fn library(
+    server: &Guest,
+    client: &Guest,
+    at: &str,
+    args: &str,
+) -> Result<Value, Box<dyn std::error::Error>> {
+    server.run_ok(
+        &format!("rdmamig-perf serve --listen {at}:{PERF_PORT} >/tmp/perf-server.log 2>&1 &"),
+        RUN_TIMEOUT,
+    )?;
+    let out = client.run_ok(
+        &format!("rdmamig-perf {args} --size {SIZE} --to {at}:{PERF_PORT}"),
+        RUN_TIMEOUT,
+    )?;
+    server.run_ok("wait", RUN_TIMEOUT)?;
+    let line = out
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| format!("rdmamig-perf printed no report: {out}"))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// Waits until a TCP port is in state LISTEN (0A) in `guest` (bounded); the previous run's
+/// connection may still be listed on it, in TIME_WAIT.
+fn wait_listening(guest: &Guest, port: u16) -> Result<(), Box<dyn std::error::Error>> {
+    guest.run_ok(
+        &format!(
+            "i=0; until awk '$2 ~ /:{port:04X}$/ && $4 == \"0A\" {{ f = 1 }} END {{ exit !f }}' \
+               /proc/net/tcp /proc/net/tcp6; do \
+               i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done"
+        ),
+        RUN_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// The value under `header` in the first data row after perftest's header line.
+fn column(output: &str, header: &str) -> Result<f64, Box<dyn std::error::Error>> {
+    let mut lines = output.lines();
+    let heading = lines
+        .find(|l| l.contains(header))
+        .ok_or_else(|| format!("no {header} column in:\n{output}"))?;
+    // A heading is `#name` or ends in `[unit]`, and may contain blanks ("BW peak[MB/sec]").
+    let mut headings = Vec::new();
+    let mut pending = String::new();
+    for word in heading.split_whitespace() {
+        pending.push_str(word);
+        if word.starts_with('#') || word.contains('[') {
+            headings.push(std::mem::take(&mut pending));
+        } else {
+            pending.push(' ');
+        }
+    }
+    let index = headings
+        .iter()
+        .position(|h| h == header)
+        .ok_or_else(|| format!("cannot place the {header} column in {heading:?}"))?;
+    let data = lines
+        .find(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .ok_or_else(|| format!("no data row under {header} in:\n{output}"))?;
+    let field = data
+        .split_whitespace()
+        .nth(index)
+        .ok_or_else(|| format!("no field {index} in {data:?}"))?;
+    Ok(field.parse()?)
+}
+
+fn number(report: &Value, key: &str) -> Result<f64, Box<dyn std::error::Error>> {
+    report[key]
+        .as_f64()
+        .ok_or_else(|| format!("no {key} in {report}").into())
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut values = values.to_vec();
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn render_switching(reconnect: &ScenarioOutcome, naive: &ScenarioOutcome) -> String {
+    let downtime = |o: &ScenarioOutcome| {
+        o.move_report
+            .as_ref()
+            .and_then(|r| r.migration.as_ref())
+            .and_then(|m| m.downtime_ms)
+            .map_or("?".to_owned(), |d| d.to_string())
+    };
+    let lost = |o: &ScenarioOutcome| o.peer.lost + o.mover.lost;
+    let ratio = reconnect.peer.max_gap_ms / naive.peer.max_gap_ms;
+    format!(
+        "| switching time                         | naive | reconnect | bridge |\n\
+         |----------------------------------------|------:|----------:|-------:|\n\
+         | largest gap at the peer (ms)           | {:>5.0} | {:>9.0} | not built |\n\
+         | VMM downtime (ms)                      | {:>5} | {:>9} |        |\n\
+         | messages lost                          | {:>5} | {:>9} |        |\n\
+         reconnect / naive gap: {ratio:.2} (target <= 0.60: {}); nothing lost with reconnect: {}\n\
+         bridge: not built yet, so its targets (gap <= downtime + 10 ms; naive >= 20x bridge) are not measured\n",
+        naive.peer.max_gap_ms,
+        reconnect.peer.max_gap_ms,
+        downtime(naive),
+        downtime(reconnect),
+        lost(naive),
+        lost(reconnect),
+        verdict(ratio <= 0.6),
+        verdict(lost(reconnect) == 0),
+    )
+}
