@@ -108,10 +108,11 @@ fn live() -> Vec<std::sync::Arc<dyn Migratable>> {
     entries.iter().filter_map(|e| e.upgrade()).collect()
 }
 
-/// Answers one agent request for every live connection of the process.
-pub fn handle(request: &AgentToApp) -> AppToAgent {
+/// Answers one agent request for every live connection of the process (`None`: the
+/// agent's refusal of something this process sent, which needs no answer).
+pub fn handle(request: &AgentToApp) -> Option<AppToAgent> {
     let all = live();
-    match *request {
+    Some(match *request {
         AgentToApp::Describe { request } => AppToAgent::Reply {
             request,
             body: AppReply::Connections {
@@ -146,7 +147,11 @@ pub fn handle(request: &AgentToApp) -> AppToAgent {
                 body: AppReply::Outcomes { outcomes },
             }
         }
-    }
+        AgentToApp::Refused { ref reason } => {
+            tracing::warn!(%reason, "the agent refused what this process sent");
+            return None;
+        }
+    })
 }
 
 /// How many connections of one process are quiesced or resumed at the same time.
@@ -275,8 +280,9 @@ fn serve(mut stream: UnixStream, path: &std::path::Path) -> Result<(), RegistryE
             };
             match frame.decode::<AgentToApp>() {
                 Ok(req) => {
-                    let reply = handle(&req);
-                    stream.write_all(&Frame::encode(&reply)).map_err(io)?;
+                    if let Some(reply) = handle(&req) {
+                        stream.write_all(&Frame::encode(&reply)).map_err(io)?;
+                    }
                 }
                 Err(e) => tracing::warn!(error = %e, "ignoring a malformed agent request"),
             }

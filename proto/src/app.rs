@@ -71,6 +71,13 @@ pub enum AgentToApp {
         /// Time allowed, in milliseconds.
         deadline_ms: u64,
     },
+    /// The agent could not use what this socket sent (a bad frame or message); nothing was
+    /// changed. After a frame error the byte stream cannot be trusted, and the agent closes
+    /// the socket after this answer; after a bad message it keeps reading.
+    Refused {
+        /// What was wrong.
+        reason: String,
+    },
 }
 
 #[cfg(test)]
@@ -102,5 +109,15 @@ mod tests {
             fb.push(&Frame::encode(&m));
             assert_eq!(fb.pop().unwrap().decode::<AppToAgent>().unwrap(), m);
         }
+    }
+
+    #[test]
+    fn refusals_round_trip() {
+        let m = AgentToApp::Refused {
+            reason: "frame of 4294967295 bytes exceeds the limit of 65536".into(),
+        };
+        let mut fb = FrameBuffer::new();
+        fb.push(&Frame::encode(&m));
+        assert_eq!(fb.pop().unwrap().decode::<AgentToApp>().unwrap(), m);
     }
 }

@@ -185,10 +185,17 @@ impl Apps {
                             None => debug!(request, "reply to no pending request (late?)"),
                         }
                     }
-                    Ok(AppToAgent::Hello { .. }) => warn!("second Hello on one socket ignored"),
-                    Err(e) if e.is_recoverable() => warn!("bad message from an application: {e}"),
+                    Ok(AppToAgent::Hello { .. }) => {
+                        warn!("second Hello on one socket refused");
+                        refuse(&writer, &app, "a second Hello on one socket".into());
+                    }
+                    Err(e) if e.is_recoverable() => {
+                        warn!("bad message from an application: {e}");
+                        refuse(&writer, &app, e.to_string());
+                    }
                     Err(e) => {
                         warn!("dropping an application whose stream is corrupt: {e}");
+                        refuse(&writer, &app, e.to_string());
                         self.forget(&app);
                         return;
                     }
@@ -292,6 +299,19 @@ impl Apps {
     }
 }
 
+/// Answers something unusable with [`AgentToApp::Refused`], through the registered app's
+/// writer (so the answer cannot interleave with a request) or the bare socket before Hello.
+fn refuse(socket: &UnixStream, app: &Option<(u64, Arc<App>)>, reason: String) {
+    let frame = Frame::encode(&AgentToApp::Refused { reason });
+    let sent = match app {
+        Some((_, a)) => a.writer.lock().unwrap().write_all(&frame),
+        None => (&*socket).write_all(&frame),
+    };
+    if let Err(e) = sent {
+        debug!("answering a bad message failed: {e}");
+    }
+}
+
 fn failed_outcomes(app: &App, error: &AppRequestError) -> Vec<ConnectionOutcome> {
     app.last_described
         .lock()
@@ -390,6 +410,7 @@ mod tests {
                     },
                 })
             }
+            AgentToApp::Refused { .. } => None,
         });
         assert_eq!(apps.describe(Duration::from_secs(5)).len(), 2);
         let outcomes = apps.drive(
@@ -401,6 +422,78 @@ mod tests {
         );
         assert_eq!(outcomes.len(), 2);
         assert!(outcomes.iter().all(|o| o.ok));
+    }
+
+    /// Reads one frame from `stream` as the agent's answer.
+    fn answer(stream: &mut UnixStream) -> Option<AgentToApp> {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut fb = FrameBuffer::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match fb.pop() {
+                Ok(frame) => return Some(frame.decode().unwrap()),
+                Err(FrameError::Incomplete { .. }) => {}
+                Err(e) => panic!("the agent sent a bad frame: {e}"),
+            }
+            let n = stream.read(&mut buf).ok()?;
+            if n == 0 {
+                return None;
+            }
+            fb.push(&buf[..n]);
+        }
+    }
+
+    fn refused(answer: Option<AgentToApp>, what: &str) {
+        match answer {
+            Some(AgentToApp::Refused { reason }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("expected a refusal naming {what:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_refused_and_the_agent_keeps_serving() {
+        let (apps, dir) = registry_with(|req| match req {
+            AgentToApp::Describe { request } => Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Connections {
+                    connections: vec![info(3)],
+                },
+            }),
+            _ => None,
+        });
+        let path = dir.path().join("agent.sock");
+        // A frame whose payload is not a message: refused, the socket stays usable.
+        let mut s = UnixStream::connect(&path).unwrap();
+        let mut bad = b"RMG\x01".to_vec();
+        bad.extend_from_slice(&5u32.to_be_bytes());
+        bad.extend_from_slice(b"{oops");
+        s.write_all(&bad).unwrap();
+        refused(answer(&mut s), "malformed");
+        s.write_all(&Frame::encode(&AppToAgent::Hello {
+            pid: 8,
+            program: "late".into(),
+        }))
+        .unwrap();
+        // Oversized and garbage: refused, then the socket is closed.
+        let mut s2 = UnixStream::connect(&path).unwrap();
+        let mut oversized = b"RMG\x01".to_vec();
+        oversized.extend_from_slice(&u32::MAX.to_be_bytes());
+        s2.write_all(&oversized).unwrap();
+        refused(answer(&mut s2), "exceeds");
+        assert_eq!(answer(&mut s2), None, "the socket should be closed");
+        let mut s3 = UnixStream::connect(&path).unwrap();
+        s3.write_all(b"hello agent, please run rm -rf /").unwrap();
+        refused(answer(&mut s3), "magic");
+        // The agent still serves the well-behaved process (and the late one registered).
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.snapshot().len() < 2 && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(apps.snapshot().len(), 2);
+        let described = apps.describe(Duration::from_millis(500));
+        assert!(described.iter().any(|c| c.id == 3), "{described:?}");
     }
 
     #[test]

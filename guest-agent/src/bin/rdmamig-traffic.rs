@@ -78,6 +78,15 @@ enum Cmd {
         #[arg(value_parser = ["describe", "quiesce", "resume"])]
         op: String,
     },
+    /// Send bad input to the agent's application socket, each on a new connection: a frame
+    /// whose payload is not a message, a frame header announcing an oversized payload, and
+    /// bytes that are not a frame at all. Prints, as JSON, how the agent answered each and
+    /// whether it then closed that socket.
+    ProbeAgent {
+        /// The agent's application socket.
+        #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+    },
     /// Send a RESUME for an existing connection with a token of our own (a random one by
     /// default) and print how the listener answered, as JSON: a wrong token must be refused
     /// with BadToken and must not disturb the connection.
@@ -162,6 +171,16 @@ fn main() {
             wait_ms,
             op,
         } => ctl(&socket, &op, deadline_ms, wait_ms),
+        Cmd::ProbeAgent { socket } => match probe_agent(&socket) {
+            Ok(json) => {
+                println!("{json}");
+                0
+            }
+            Err(e) => {
+                eprintln!("rdmamig-traffic probe-agent: {e}");
+                1
+            }
+        },
         Cmd::ProbeResume { to, conn_id } => {
             let answer = rdmamig_guest::conn::probe_resume(to, conn_id, rand::random());
             println!(
@@ -322,6 +341,47 @@ fn ctl_inner(
         "at_unix_ms": traffic::unix_ms(),
     })
     .to_string())
+}
+
+/// See `Cmd::ProbeAgent`.
+fn probe_agent(socket: &std::path::Path) -> Result<String, String> {
+    let header = |len: u32| {
+        let mut b = rdmamig_proto::frame::MAGIC.to_vec();
+        b.push(rdmamig_proto::PROTOCOL_VERSION);
+        b.extend_from_slice(&len.to_be_bytes());
+        b
+    };
+    let mut bad_message = header(5);
+    bad_message.extend_from_slice(b"{oops");
+    let probes: [(&str, Vec<u8>); 3] = [
+        ("bad_message", bad_message),
+        ("oversized", header(u32::MAX)),
+        ("garbage", b"GET / HTTP/1.0\r\n\r\n".to_vec()),
+    ];
+    let mut results = Vec::new();
+    for (name, bytes) in probes {
+        let mut stream = std::os::unix::net::UnixStream::connect(socket)
+            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        stream
+            .write_all(&bytes)
+            .map_err(|e| format!("{name}: {e}"))?;
+        let mut fb = FrameBuffer::new();
+        let answer = read_frame::<AgentToApp>(&mut stream, &mut fb);
+        // Closed: the next read ends at once; open: it times out.
+        stream
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .map_err(|e| e.to_string())?;
+        let closed = matches!(stream.read(&mut [0u8; 64]), Ok(0));
+        results.push(serde_json::json!({
+            "probe": name,
+            "answer": answer.map_err(|e| format!("no answer: {e}")),
+            "closed": closed,
+        }));
+    }
+    Ok(serde_json::Value::Array(results).to_string())
 }
 
 struct Cleanup(PathBuf);
