@@ -240,6 +240,10 @@ impl Link {
 
     /// Registers the exposures not yet registered on this QP and queues their records.
     fn register_exposures(&mut self, st: &super::State) -> Result<(), String> {
+        // Exposures are never withdrawn: equal counts mean all are registered.
+        if self.exposed.len() == st.onesided.exposed.len() {
+            return Ok(());
+        }
         for (handle, (mem, access)) in &st.onesided.exposed {
             if self.exposed.iter().any(|(h, _)| h == handle) {
                 continue;
