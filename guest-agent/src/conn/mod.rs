@@ -16,6 +16,56 @@
 //! let reply = conn.recv(Duration::from_secs(1))?;
 //! # Ok::<(), rdmamig_guest::conn::ConnError>(())
 //! ```
+//!
+//! # One-sided RDMA WRITE and READ
+//!
+//! A side exposes a buffer under a handle ([`Connection::expose`]); the other takes it once
+//! ([`Connection::remote`]) and writes into it or reads from it by handle and offset. The
+//! [`RemoteBuffer`] stays valid across any number of moves of either side: the library
+//! registers the buffer again on every new device and tells the peer the new address and
+//! rkey before any operation is posted on the new QP. Operations are queued and posted in
+//! order; those a link took without completing are posted again on the next QP (writing
+//! the same bytes to the same place again changes nothing). A message sent after
+//! [`Connection::flush_writes`] returned is delivered after the data is in place.
+//!
+//! The owner of the buffer (here the server) exposes it and reads what arrived once the
+//! writer's message says so:
+//!
+//! ```no_run
+//! use rdmamig_guest::conn::{Access, ConnectOptions, Listener};
+//! use std::time::Duration;
+//! let listener = Listener::bind("10.77.0.1:7471".parse().unwrap(), &ConnectOptions::default())?;
+//! let conn = listener.accept(Duration::from_secs(30))?;
+//! let inbox = conn.expose(Some(7), 1 << 20, Access::ReadWrite)?;
+//! if let Some(note) = conn.recv(Duration::from_secs(10))? {
+//!     let len = u32::from_be_bytes(note[..4].try_into().unwrap()) as usize;
+//!     let mut data = vec![0u8; len];
+//!     inbox.read(0, &mut data)?;
+//!     println!("peer wrote {} bytes", data.len());
+//! }
+//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! ```
+//!
+//! The writer takes the handle once, before any move, and keeps using it:
+//!
+//! ```no_run
+//! use rdmamig_guest::conn::{ConnectOptions, Connection};
+//! use std::time::Duration;
+//! let conn = Connection::connect("10.77.0.1:7471".parse().unwrap(), &ConnectOptions::default())?;
+//! let inbox = conn.remote(7, Duration::from_secs(10))?; // waits for the peer's map
+//! let data = vec![0xab; 64 * 1024];
+//! conn.write(&inbox, 0, &data)?; // queued; split into max_message-sized WRITEs
+//! conn.flush_writes(Duration::from_secs(30))?; // completed: the data is in place
+//! conn.send(&(data.len() as u32).to_be_bytes())?; // delivered after the data
+//! let back = conn.read(&inbox, 0, 4096, Duration::from_secs(30))?; // RDMA READ
+//! assert_eq!(back, data[..4096]);
+//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! ```
+//!
+//! Errors: [`ConnError::UnknownHandle`] (the peer exposed nothing under that handle within
+//! the wait), [`ConnError::OutOfBounds`], [`ConnError::NotPermitted`] (the peer did not
+//! allow that operation), [`ConnError::HandleInUse`], [`ConnError::OneSidedTimedOut`]
+//! (naming `flush_writes` or `read`), and the connection's own errors.
 
 mod credits;
 mod failure;
