@@ -1283,3 +1283,30 @@ fn onesided_done(
     *delivered = true; // wakes flush_writes and writers waiting for room
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_request_id_ranges_never_overlap() {
+        // Send slots are u32 (below RECV_BASE); receives and one-sided operations add a u32
+        // slot to their base, so the three ranges are disjoint for any queue depth.
+        assert!(u32::MAX as u64 <= RECV_BASE);
+        assert!(RECV_BASE + u32::MAX as u64 <= ONESIDED_BASE);
+    }
+
+    #[test]
+    fn error_chains_join_every_cause() {
+        let e = ConnError::Verbs {
+            op: "listening",
+            source: VerbsError::Listen(std::io::Error::from_raw_os_error(libc::EADDRINUSE)),
+        };
+        let s = error_chain(&e);
+        assert!(
+            s.starts_with("listening failed: rdma_listen failed: "),
+            "{s}"
+        );
+        assert!(s.contains("in use"), "{s}");
+    }
+}
