@@ -482,11 +482,11 @@ mod tests {
             id: "m1".into(),
             plan: MovePlan {
                 vm: "vm1".into(),
-                source: Endpoint {
+                source: Endpoint::Qemu {
                     qmp: "/s".into(),
                     agent: None,
                 },
-                destination: Endpoint {
+                destination: Endpoint::Qemu {
                     qmp: "/d".into(),
                     agent: None,
                 },
@@ -497,6 +497,7 @@ mod tests {
                 from_pool: false,
                 source_function: None,
                 via: "unix:/m".into(),
+                limits: Default::default(),
                 strategy: Strategy::Naive,
                 deadlines: Deadlines::default(),
             },

@@ -396,21 +396,22 @@ impl GuestAgent for FakeAgent {
     }
 }
 
-/// [`Backends`] over the fake host; endpoints whose QMP path starts with `/s` are the source.
+/// [`Backends`] over the fake host; endpoints whose control socket starts with `/s` are the
+/// source.
 #[derive(Debug, Clone)]
 pub struct FakeBackends(pub FakeHost);
 
 #[async_trait]
 impl Backends for FakeBackends {
     async fn connect(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError> {
-        let side = if endpoint.qmp.starts_with("/s") {
+        let side = if endpoint.control_socket().starts_with("/s") {
             Where::Source
         } else {
             Where::Destination
         };
         if side == Where::Destination && self.0.state().destination_gone {
             return Err(VmmError::Connect {
-                path: endpoint.qmp.display().to_string(),
+                path: endpoint.control_socket().display().to_string(),
                 source: std::io::Error::from(std::io::ErrorKind::NotFound),
             });
         }

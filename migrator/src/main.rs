@@ -5,18 +5,20 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rdmamig_migrator::api::ClientRequest;
 use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
-use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, QemuBackends};
+use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, VmmBackends};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
-use rdmamig_migrator::plan::{Deadlines, Endpoint, MovePlan, Strategy};
+use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy};
 use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
 use rdmamig_migrator::retention::Retention;
-use rdmamig_vmm::DeviceSpec;
+use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
+use rdmamig_vmm::{DeviceSpec, MigrationLimits, TimeoutStrategy};
 
 /// The daemon socket when none is given.
 const DEFAULT_SOCKET: &str = "/run/rdmamig/rdmamig.sock";
@@ -131,12 +133,25 @@ enum Command {
     /// Move a VM to another VMM process, keeping its RDMA connections.
     #[command(
         long_about = "Move a VM to another VMM process, keeping its RDMA connections.\n\n\
-The destination VMM must already run with the VM's configuration minus the detached NIC and \
-`-incoming defer` (QEMU). Progress is printed as it happens, then the timeline with every \
-phase's duration. Exit status: 0 when the move is done, 4 when it failed and was rolled back \
-(the VM runs on the source with its device, connections resumed), 1 when it failed and could \
-not be rolled back (the message says which phase, why, and where the VM is), 2 for usage \
-errors, 3 when the daemon could not be asked.\n\n\
+Each end names its VMM: QEMU (--qmp, agent on virtio-serial --agent) or Cloud Hypervisor \
+(--api-socket, agent on hybrid vsock --vsock, optional --event-monitor); the destination the \
+same with --to-. The destination VMM must already run: QEMU with the VM's configuration minus \
+the detached NIC and `-incoming defer`, Cloud Hypervisor without a VM (the move sends its \
+vm.receive-migration). Progress is printed as it happens, then the timeline with every phase's \
+duration. Exit status: 0 when the move is done, 4 when it failed and was rolled back (the VM \
+runs on the source with its device, connections resumed), 1 when it failed and could not be \
+rolled back (the message says which phase, why, and where the VM is), 2 for usage errors, 3 \
+when the daemon could not be asked.\n\n\
+QEMU:\n  \
+rdmamig migrate --vm vm1 --qmp src/qmp.sock --agent src/agent.sock --detach nic0 \\\n    \
+--to-qmp dst/qmp.sock --to-agent dst/agent.sock \\\n    \
+--attach 'driver=vfio-pci,host=0000:5e:02.3,id=vf1,bus=rp1' --via unix:dst/mig.sock\n\n\
+Cloud Hypervisor, with the migration's limits (as ch-remote send-migration takes them):\n  \
+rdmamig migrate --vm vm1 --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock \\\n    \
+--event-monitor /run/vm1/events.json --detach vf0 \\\n    \
+--to-api-socket /run/vm1-dst/api.sock --to-vsock /run/vm1-dst/vsock.sock \\\n    \
+--attach 'driver=vfio-pci,host=0000:5e:02.3,id=vf1' --via tcp:dst-host:6000 \\\n    \
+--downtime-ms 300 --migration-timeout-s 50\n\n\
 Baseline without the guest agent (what operators do today):\n  \
 rdmamig migrate --vm vm1 --qmp src/qmp.sock --detach nic0 --to-qmp dst/qmp.sock \\\n    \
 --attach driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1 --via unix:dst/mig.sock \\\n    \
@@ -171,23 +186,41 @@ struct MigrateArgs {
     /// The VM's name (used in messages and the report).
     #[arg(long)]
     vm: String,
-    /// The source QEMU's QMP socket.
-    #[arg(long)]
-    qmp: PathBuf,
-    /// The source VM's agent socket (virtio-serial chardev); needed by `reconnect`.
-    #[arg(long)]
+    /// QEMU source: its QMP socket.
+    #[arg(long, help_heading = "Source VMM (one of)")]
+    qmp: Option<PathBuf>,
+    /// Cloud Hypervisor source: its --api-socket.
+    #[arg(long, help_heading = "Source VMM (one of)")]
+    api_socket: Option<PathBuf>,
+    /// QEMU source: the agent's virtio-serial chardev socket; needed by `reconnect`.
+    #[arg(long, help_heading = "Source VMM (one of)")]
     agent: Option<PathBuf>,
+    /// Cloud Hypervisor source: the VM's hybrid vsock socket (--vsock socket=PATH); needed
+    /// by `reconnect`.
+    #[arg(long, help_heading = "Source VMM (one of)")]
+    vsock: Option<PathBuf>,
+    /// Cloud Hypervisor source: its --event-monitor file, which tells the migration's
+    /// outcome at once (without it the move knows only once the source has lost the VM, and
+    /// a failed migration shows as the migrate deadline passing).
+    #[arg(long, help_heading = "Source VMM (one of)")]
+    event_monitor: Option<PathBuf>,
     /// The id of the device to unplug on the source (the RDMA NIC).
     #[arg(long)]
     detach: String,
-    /// The destination QEMU's QMP socket (started with -incoming defer); a path on the
-    /// destination migrator's host when --destination-migrator is given.
-    #[arg(long)]
-    to_qmp: PathBuf,
-    /// The destination VM's agent socket; needed by `reconnect`. On the destination
-    /// migrator's host when --destination-migrator is given.
-    #[arg(long)]
+    /// QEMU destination: its QMP socket (QEMU started with -incoming defer); a path on the
+    /// destination migrator's host when --destination-migrator is given (so are the other
+    /// destination sockets).
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_qmp: Option<PathBuf>,
+    /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_api_socket: Option<PathBuf>,
+    /// QEMU destination: the agent's virtio-serial chardev socket; needed by `reconnect`.
+    #[arg(long, help_heading = "Destination VMM (one of)")]
     to_agent: Option<PathBuf>,
+    /// Cloud Hypervisor destination: the VM's hybrid vsock socket; needed by `reconnect`.
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_vsock: Option<PathBuf>,
     /// The migrator on the destination host that does the destination's duties: a
     /// [[peer.known]] name from the daemon's config, or host:port.
     ///
@@ -202,8 +235,12 @@ struct MigrateArgs {
     /// migration stream (tcp:HOST:PORT between hosts).
     #[arg(long, value_name = "NAME|HOST:PORT", verbatim_doc_comment)]
     destination_migrator: Option<String>,
-    /// The device to plug on the destination, as QEMU device_add properties:
-    /// 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11'.
+    /// Cloud Hypervisor: the guest agent's vsock port (both ends).
+    #[arg(long, default_value_t = DEFAULT_AGENT_PORT)]
+    agent_port: u32,
+    /// The device to plug on the destination, as device properties:
+    /// QEMU 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11';
+    /// both VMMs 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'.
     #[arg(long)]
     attach: DeviceSpec,
     /// The device to plug back on the source if the move rolls back after the detach
@@ -221,6 +258,26 @@ struct MigrateArgs {
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
     via: String,
+    /// The longest stop-and-copy the VMM may choose, ms (VMM default: QEMU 300, Cloud
+    /// Hypervisor 300).
+    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
+    downtime_ms: Option<u64>,
+    /// The longest the migration may take, s; must be below the migrate phase's deadline
+    /// (--deadline migrate=MS).
+    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
+    migration_timeout_s: Option<u64>,
+    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back)
+    /// or ignore (finish whatever the downtime).
+    #[arg(
+        long,
+        default_value_t = TimeoutStrategy::Cancel,
+        help_heading = "Migration limits (handed to the source VMM)"
+    )]
+    timeout_strategy: TimeoutStrategy,
+    /// Cloud Hypervisor: same-host migration, memory handed over as file descriptors
+    /// (unix: URI, guest memory shared=on). QEMU refuses it.
+    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
+    local: bool,
     /// reconnect: quiesce and resume every connection through the guest agent;
     /// naive: unplug, migrate, plug, nothing else.
     #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
@@ -303,7 +360,7 @@ fn main() -> ExitCode {
                         .map(|days| std::time::Duration::from_secs(u64::from(days) * 86_400)),
                 },
                 context: MoveContext {
-                    backends: Arc::new(QemuBackends),
+                    backends: Arc::new(VmmBackends),
                     pool: Arc::new(pool),
                     peers,
                     boundary,
@@ -430,16 +487,35 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    let source = EndpointFlags {
+        qmp: args.qmp,
+        api_socket: args.api_socket,
+        agent: args.agent,
+        vsock: args.vsock,
+        event_monitor: args.event_monitor,
+        agent_port: args.agent_port,
+    }
+    .endpoint("source");
+    let destination = EndpointFlags {
+        qmp: args.to_qmp,
+        api_socket: args.to_api_socket,
+        agent: args.to_agent,
+        vsock: args.to_vsock,
+        event_monitor: None,
+        agent_port: args.agent_port,
+    }
+    .endpoint("destination");
+    let (source, destination) = match (source, destination) {
+        (Ok(source), Ok(destination)) => (source, destination),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("rdmamig migrate: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let plan = MovePlan {
         vm: args.vm,
-        source: Endpoint {
-            qmp: args.qmp,
-            agent: args.agent,
-        },
-        destination: Endpoint {
-            qmp: args.to_qmp,
-            agent: args.to_agent,
-        },
+        source,
+        destination,
         destination_migrator: args.destination_migrator,
         detach: args.detach,
         attach: args.attach,
@@ -447,6 +523,12 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         from_pool: args.from_pool,
         source_function: args.source_function,
         via: args.via,
+        limits: MigrationLimits {
+            downtime: args.downtime_ms.map(Duration::from_millis),
+            timeout: args.migration_timeout_s.map(Duration::from_secs),
+            timeout_strategy: args.timeout_strategy,
+            local: args.local,
+        },
         strategy: args.strategy,
         deadlines,
     };

@@ -5,7 +5,7 @@
 //! The runner owns the state machine, the journal, the deadlines, the timeline and the
 //! events, so that a phase body cannot forget any of them. The VMMs and the agent are reached
 //! through [`Backends`] and [`GuestAgent`], so that every failure path is unit-tested against
-//! fakes and the same runner drives QEMU (or another VMM backend) in production.
+//! fakes and the same runner drives QEMU or Cloud Hypervisor in production.
 //!
 //! Failure paths:
 //! - **forced paths.** A quiesce the agent does not answer, or that some connections fail
@@ -32,7 +32,7 @@ use async_trait::async_trait;
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
-    MigrationLimits, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError,
+    ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -71,16 +71,33 @@ pub trait Backends: Send + Sync {
     async fn agent(&self, vmm: &dyn Vmm) -> Result<Box<dyn GuestAgent>, VmmError>;
 }
 
-/// QEMU VMMs over QMP, the agent over virtio-serial.
+/// The VMM each endpoint names (QEMU over QMP, Cloud Hypervisor over its REST API), the
+/// agent through that VMM's channel (virtio-serial, hybrid vsock).
 #[derive(Debug, Default)]
-pub struct QemuBackends;
+pub struct VmmBackends;
 
 #[async_trait]
-impl Backends for QemuBackends {
+impl Backends for VmmBackends {
     async fn connect(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError> {
-        let mut config = QemuConfig::new(&endpoint.qmp);
-        config.agent.clone_from(&endpoint.agent);
-        Ok(Arc::new(QemuVmm::connect(config).await?))
+        Ok(match endpoint {
+            Endpoint::Qemu { qmp, agent } => {
+                let mut config = QemuConfig::new(qmp);
+                config.agent.clone_from(agent);
+                Arc::new(QemuVmm::connect(config).await?)
+            }
+            Endpoint::CloudHypervisor {
+                api_socket,
+                event_monitor,
+                vsock,
+                agent_port,
+            } => {
+                let mut config = ChConfig::new(api_socket);
+                config.event_monitor.clone_from(event_monitor);
+                config.vsock.clone_from(vsock);
+                config.agent_port = *agent_port;
+                Arc::new(ChVmm::connect(config).await?)
+            }
+        })
     }
 
     async fn agent(&self, vmm: &dyn Vmm) -> Result<Box<dyn GuestAgent>, VmmError> {
@@ -1070,7 +1087,7 @@ impl Mover {
         let start = Instant::now();
         let source = self.source_vmm().await?;
         source
-            .send_migration(&self.plan.via, &MigrationLimits::default())
+            .send_migration(&self.plan.via, &self.plan.limits)
             .await?;
         let events = self.events.clone();
         let recorder_start = self.recorder.started_at();

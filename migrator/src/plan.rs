@@ -5,10 +5,10 @@
 //! run a move, and the report can repeat the plan it ran.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rdmamig_vmm::DeviceSpec;
+use rdmamig_vmm::{DeviceSpec, MigrationLimits};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -33,13 +33,118 @@ impl std::fmt::Display for Strategy {
     }
 }
 
-/// One end of the move: a VMM and (for strategies that use it) its agent channel.
+/// One end of the move: which VMM runs the VM, how to reach it, and (for strategies that
+/// use it) how to reach the guest agent through it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Endpoint {
-    /// The QEMU QMP socket.
-    pub qmp: PathBuf,
-    /// The agent's virtio-serial chardev socket.
+#[serde(tag = "vmm", rename_all = "snake_case")]
+pub enum Endpoint {
+    /// QEMU, driven over QMP; the agent over a virtio-serial port.
+    Qemu {
+        /// The QMP socket.
+        qmp: PathBuf,
+        /// The agent's virtio-serial chardev socket.
+        agent: Option<PathBuf>,
+    },
+    /// Cloud Hypervisor, driven over its REST API; the agent over hybrid vsock.
+    CloudHypervisor {
+        /// `--api-socket path=PATH`.
+        api_socket: PathBuf,
+        /// `--event-monitor path=PATH`: how a migration's outcome is known at once (without
+        /// it, only once the source has lost the VM).
+        event_monitor: Option<PathBuf>,
+        /// `--vsock socket=PATH`: the hybrid vsock socket the agent is reached through.
+        vsock: Option<PathBuf>,
+        /// The agent's vsock port in the guest.
+        agent_port: u32,
+    },
+}
+
+impl Endpoint {
+    /// The VMM's control socket (for messages).
+    pub fn control_socket(&self) -> &Path {
+        match self {
+            Endpoint::Qemu { qmp, .. } => qmp,
+            Endpoint::CloudHypervisor { api_socket, .. } => api_socket,
+        }
+    }
+
+    /// Whether the guest agent can be reached through this end.
+    pub fn has_agent(&self) -> bool {
+        match self {
+            Endpoint::Qemu { agent, .. } => agent.is_some(),
+            Endpoint::CloudHypervisor { vsock, .. } => vsock.is_some(),
+        }
+    }
+}
+
+/// One end of a move as command-line flags give it: exactly one VMM control socket and the
+/// agent channel that goes with that VMM.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointFlags {
+    /// QEMU's QMP socket.
+    pub qmp: Option<PathBuf>,
+    /// Cloud Hypervisor's API socket.
+    pub api_socket: Option<PathBuf>,
+    /// QEMU: the agent's virtio-serial socket.
     pub agent: Option<PathBuf>,
+    /// Cloud Hypervisor: the hybrid vsock socket.
+    pub vsock: Option<PathBuf>,
+    /// Cloud Hypervisor: the event monitor file.
+    pub event_monitor: Option<PathBuf>,
+    /// Cloud Hypervisor: the agent's vsock port.
+    pub agent_port: u32,
+}
+
+impl EndpointFlags {
+    /// The endpoint the flags name; `side` (`source`, `destination`) is for the message.
+    pub fn endpoint(self, side: &'static str) -> Result<Endpoint, PlanError> {
+        let mismatch = |flag: &'static str, vmm: &'static str| PlanError::Flags {
+            side,
+            reason: format!("{flag} is for {vmm} endpoints"),
+        };
+        match (self.qmp, self.api_socket) {
+            (Some(qmp), None) => {
+                if self.vsock.is_some() {
+                    return Err(mismatch(
+                        "a hybrid vsock socket",
+                        "Cloud Hypervisor (QEMU's agent is on virtio-serial)",
+                    ));
+                }
+                if self.event_monitor.is_some() {
+                    return Err(mismatch("an event monitor", "Cloud Hypervisor"));
+                }
+                Ok(Endpoint::Qemu {
+                    qmp,
+                    agent: self.agent,
+                })
+            }
+            (None, Some(api_socket)) => {
+                if self.agent.is_some() {
+                    return Err(mismatch(
+                        "a virtio-serial agent socket",
+                        "QEMU (Cloud Hypervisor's agent is on hybrid vsock)",
+                    ));
+                }
+                Ok(Endpoint::CloudHypervisor {
+                    api_socket,
+                    event_monitor: self.event_monitor,
+                    vsock: self.vsock,
+                    agent_port: self.agent_port,
+                })
+            }
+            (Some(_), Some(_)) => Err(PlanError::Flags {
+                side,
+                reason: "give one VMM: a QMP socket (QEMU) or an API socket (Cloud Hypervisor), \
+                         not both"
+                    .into(),
+            }),
+            (None, None) => Err(PlanError::Flags {
+                side,
+                reason: "give the VMM: a QMP socket (QEMU) or an API socket (Cloud Hypervisor)"
+                    .into(),
+            }),
+        }
+    }
 }
 
 /// Per-phase deadlines, in ms.
@@ -109,8 +214,8 @@ pub struct MovePlan {
     pub vm: String,
     /// Where the VM runs now.
     pub source: Endpoint,
-    /// The VMM process that receives it (started with `-incoming defer`), on the host of
-    /// `destination_migrator` when that is given.
+    /// The VMM process that receives it (QEMU started with `-incoming defer`; a Cloud
+    /// Hypervisor without a VM), on the host of `destination_migrator` when that is given.
     pub destination: Endpoint,
     /// The migrator that does the destination's duties (a `[[peer.known]]` name or
     /// `host:port`), over mutual TLS; `None`: this host's daemon does them itself.
@@ -136,6 +241,9 @@ pub struct MovePlan {
     pub source_function: Option<String>,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
+    /// The migration's own bounds, handed to the source VMM.
+    #[serde(default)]
+    pub limits: MigrationLimits,
     /// How connections are treated.
     pub strategy: Strategy,
     /// Per-phase deadlines.
@@ -153,8 +261,28 @@ pub enum PlanError {
         /// What is wrong with it.
         reason: String,
     },
+    /// An end's command-line flags do not name one VMM with its own agent channel.
+    #[error("the {side}: {reason}")]
+    Flags {
+        /// `source` or `destination`.
+        side: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The migration's timeout limit is not inside the migrate phase's deadline, which
+    /// would end the migration first.
+    #[error(
+        "the migration timeout ({timeout_s} s) must be shorter than the migrate phase's \
+         deadline ({deadline_ms} ms): raise it with --deadline migrate=MS"
+    )]
+    TimeoutPastDeadline {
+        /// The migration's timeout limit.
+        timeout_s: u64,
+        /// The migrate phase's deadline.
+        deadline_ms: u64,
+    },
     /// The strategy needs an agent channel the plan does not give.
-    #[error("strategy {strategy} needs the {side} agent socket")]
+    #[error("strategy {strategy} needs the {side} agent channel")]
     MissingAgent {
         /// The strategy.
         strategy: Strategy,
@@ -201,9 +329,18 @@ impl MovePlan {
                 uri: self.via.clone(),
             });
         }
+        if let Some(timeout) = self.limits.timeout {
+            let deadline = self.deadlines.of(Phase::Migrate);
+            if timeout >= deadline {
+                return Err(PlanError::TimeoutPastDeadline {
+                    timeout_s: timeout.as_secs(),
+                    deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+                });
+            }
+        }
         if self.strategy == Strategy::Reconnect {
             for (side, endpoint) in [("source", &self.source), ("destination", &self.destination)] {
-                if endpoint.agent.is_none() {
+                if !endpoint.has_agent() {
                     return Err(PlanError::MissingAgent {
                         strategy: self.strategy,
                         side,
@@ -222,11 +359,11 @@ pub(crate) mod tests {
     pub(crate) fn plan() -> MovePlan {
         MovePlan {
             vm: "vm1".into(),
-            source: Endpoint {
+            source: Endpoint::Qemu {
                 qmp: "/s/qmp".into(),
                 agent: Some("/s/agent".into()),
             },
-            destination: Endpoint {
+            destination: Endpoint::Qemu {
                 qmp: "/d/qmp".into(),
                 agent: Some("/d/agent".into()),
             },
@@ -237,6 +374,7 @@ pub(crate) mod tests {
             from_pool: false,
             source_function: None,
             via: "unix:/d/mig.sock".into(),
+            limits: MigrationLimits::default(),
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),
         }
@@ -263,7 +401,19 @@ pub(crate) mod tests {
     fn validation() {
         assert_eq!(plan().validate(), Ok(()));
         let mut p = plan();
-        p.destination.agent = None;
+        p.limits.timeout = Some(Duration::from_secs(60));
+        assert!(matches!(
+            p.validate(),
+            Err(PlanError::TimeoutPastDeadline { .. })
+        ));
+        p.limits.timeout = Some(Duration::from_secs(59));
+        assert_eq!(p.validate(), Ok(()));
+        p.destination = Endpoint::CloudHypervisor {
+            api_socket: "/d/api".into(),
+            event_monitor: None,
+            vsock: None,
+            agent_port: 7077,
+        };
         assert_eq!(
             p.validate(),
             Err(PlanError::MissingAgent {
@@ -281,8 +431,59 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn flags_name_one_vmm_with_its_own_agent_channel() {
+        let flags = |qmp: bool, api: bool, agent: bool, vsock: bool| EndpointFlags {
+            qmp: qmp.then(|| "/q".into()),
+            api_socket: api.then(|| "/a".into()),
+            agent: agent.then(|| "/ag".into()),
+            vsock: vsock.then(|| "/v".into()),
+            event_monitor: None,
+            agent_port: 7077,
+        };
+        assert_eq!(
+            flags(true, false, true, false).endpoint("source"),
+            Ok(Endpoint::Qemu {
+                qmp: "/q".into(),
+                agent: Some("/ag".into())
+            })
+        );
+        assert_eq!(
+            flags(false, true, false, true).endpoint("source"),
+            Ok(Endpoint::CloudHypervisor {
+                api_socket: "/a".into(),
+                event_monitor: None,
+                vsock: Some("/v".into()),
+                agent_port: 7077
+            })
+        );
+        for (bad, what) in [
+            (flags(true, true, false, false), "not both"),
+            (flags(false, false, false, false), "give the VMM"),
+            (flags(true, false, false, true), "hybrid vsock"),
+            (flags(false, true, true, false), "virtio-serial"),
+        ] {
+            let err = bad.endpoint("destination").unwrap_err();
+            assert!(
+                matches!(&err, PlanError::Flags { side: "destination", reason } if reason.contains(what)),
+                "{err}"
+            );
+        }
+        let mut monitor = flags(true, false, false, false);
+        monitor.event_monitor = Some("/e".into());
+        assert!(monitor.endpoint("source").is_err());
+    }
+
+    #[test]
     fn plan_round_trips_through_json() {
-        let p = plan();
+        let mut p = plan();
+        p.destination = Endpoint::CloudHypervisor {
+            api_socket: "/d/api".into(),
+            event_monitor: Some("/d/events".into()),
+            vsock: Some("/d/vsock".into()),
+            agent_port: 7077,
+        };
+        p.limits.downtime = Some(Duration::from_millis(200));
+        p.limits.local = true;
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(serde_json::from_str::<MovePlan>(&json).unwrap(), p);
     }

@@ -24,7 +24,7 @@ use serde_json::Value;
 use thiserror::Error;
 use tokio::net::UnixStream;
 
-use crate::VmmError;
+use crate::{TimeoutStrategy, VmmError};
 
 /// Largest answer body read (a `vm.info` with many devices is a few tens of KiB).
 pub const MAX_BODY: usize = 4 << 20;
@@ -169,8 +169,7 @@ pub enum Request {
         #[serde(skip_serializing_if = "Option::is_none")]
         timeout_s: Option<u64>,
         /// What to do at the timeout (`Cancel`: keep the VM on the source).
-        #[serde(skip_serializing_if = "Option::is_none")]
-        timeout_strategy: Option<TimeoutStrategy>,
+        timeout_strategy: TimeoutStrategy,
     },
     /// `vm.receive-migration`.
     ReceiveMigration {
@@ -193,13 +192,6 @@ impl Request {
             Request::ReceiveMigration { .. } => Endpoint::VmReceiveMigration,
         }
     }
-}
-
-/// `TimeoutStrategy` in the API description.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum TimeoutStrategy {
-    /// Abandon the migration at the timeout; the VM keeps running on the source.
-    Cancel,
 }
 
 /// What a status means for the caller.

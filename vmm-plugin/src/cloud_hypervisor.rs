@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
-use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request, TimeoutStrategy};
+use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request};
 use crate::ch_events::{self, EventReader};
 use crate::{vsock, AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
 use crate::{MigrationStatus, ProgressFn, VmStatus, Vmm, VmmError};
@@ -47,8 +47,6 @@ pub struct ChConfig {
     pub agent_port: u32,
     /// `--event-monitor path=PATH`: how an outgoing migration's outcome is known.
     pub event_monitor: Option<PathBuf>,
-    /// Send migrations with `local: true` (same host, memory passed as file descriptors).
-    pub local: bool,
     /// Mutual TLS material for receiving over tcp (`tls_dir`).
     pub tls_dir: Option<PathBuf>,
     /// Wait for each API answer.
@@ -70,7 +68,6 @@ impl ChConfig {
             vsock: None,
             agent_port: DEFAULT_AGENT_PORT,
             event_monitor: None,
-            local: false,
             tls_dir: None,
             answer_timeout: Duration::from_secs(10),
             agent_timeout: Duration::from_secs(5),
@@ -410,10 +407,10 @@ impl Vmm for ChVmm {
         };
         let request = Request::SendMigration {
             destination_url: uri.into(),
-            local: self.config.local,
+            local: limits.local,
             downtime_ms: limits.downtime.map(|d| millis(d).max(1)),
             timeout_s: limits.timeout.map(|t| t.as_secs().max(1)),
-            timeout_strategy: limits.timeout.map(|_| TimeoutStrategy::Cancel),
+            timeout_strategy: limits.timeout_strategy,
         };
         let started = Instant::now();
         self.api

@@ -39,7 +39,7 @@ pub mod vsock;
 
 pub use cloud_hypervisor::{ChConfig, ChVmm};
 pub use device::{DeviceSpec, DeviceSpecError};
-pub use migration::{MigrationLimits, MigrationProgress, MigrationStatus};
+pub use migration::{MigrationLimits, MigrationProgress, MigrationStatus, TimeoutStrategy};
 pub use qemu::{QemuConfig, QemuVmm};
 
 /// A byte stream to the guest agent, whatever carries it (virtio-serial, hybrid vsock).

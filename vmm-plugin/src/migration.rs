@@ -9,19 +9,97 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// The bounds a migration is started with.
+/// The bounds a migration is started with: Cloud Hypervisor's `vm.send-migration` fields
+/// (`ch-remote send-migration` takes them), which both backends honour.
 ///
-/// Cloud Hypervisor takes both (`downtime_ms`, and `timeout_s` with the `Cancel` strategy:
-/// past the timeout the migration is abandoned and the VM keeps running on the source).
-/// QEMU takes the downtime (`downtime-limit`); its backend enforces the timeout itself by
-/// cancelling, so both end the same way.
+/// Cloud Hypervisor takes all of them as they are. QEMU takes the downtime
+/// (`downtime-limit`); its backend enforces the timeout itself (`Cancel`: it cancels the
+/// migration, the VM keeps running on the source; `Ignore`: it lifts the downtime limit so
+/// the migration completes whatever its stop time) and refuses `local`, which has no QEMU
+/// equivalent.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationLimits {
-    /// The longest stop-and-copy the VMM may choose; `None` leaves the VMM's default.
+    /// The longest stop-and-copy the VMM may choose; `None` leaves the VMM's default
+    /// (Cloud Hypervisor: 300 ms).
+    #[serde(default, with = "optional_ms", rename = "downtime_ms")]
     pub downtime: Option<Duration>,
-    /// The longest the whole migration may take before it is cancelled; `None` leaves the
-    /// VMM's default (Cloud Hypervisor: one hour; QEMU: none).
+    /// The longest the whole migration may take; `None` leaves the VMM's default (Cloud
+    /// Hypervisor: one hour; QEMU: none).
+    #[serde(default, with = "optional_s", rename = "timeout_s")]
     pub timeout: Option<Duration>,
+    /// What happens at the timeout.
+    #[serde(default)]
+    pub timeout_strategy: TimeoutStrategy,
+    /// Same-host migration with the guest's memory handed over as file descriptors (Cloud
+    /// Hypervisor, `unix:` URIs, memory `shared=on`).
+    #[serde(default)]
+    pub local: bool,
+}
+
+/// What a migration does when it reaches its timeout (Cloud Hypervisor's `TimeoutStrategy`,
+/// spelled as its API spells it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TimeoutStrategy {
+    /// Abandon the migration; the VM keeps running on the source.
+    #[default]
+    Cancel,
+    /// Finish the migration whatever the downtime.
+    Ignore,
+}
+
+impl std::str::FromStr for TimeoutStrategy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.to_ascii_lowercase().as_str() {
+            "cancel" => Ok(TimeoutStrategy::Cancel),
+            "ignore" => Ok(TimeoutStrategy::Ignore),
+            _ => Err(format!(
+                "{text:?} is not a timeout strategy (cancel or ignore)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for TimeoutStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TimeoutStrategy::Cancel => "cancel",
+            TimeoutStrategy::Ignore => "ignore",
+        })
+    }
+}
+
+/// `Option<Duration>` as a whole number of ms (a plan is written and read by people).
+mod optional_ms {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        value
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
+    }
+}
+
+/// `Option<Duration>` as a whole number of s.
+mod optional_s {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        value.map(|d| d.as_secs()).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_secs))
+    }
 }
 
 /// Where a migration stands.
@@ -205,6 +283,31 @@ mod tests {
             serde_json::from_value::<MigrationStatus>(json!("cancelled")).unwrap(),
             MigrationStatus::Cancelled
         );
+    }
+
+    #[test]
+    fn limits_read_as_the_api_writes_them() {
+        let limits = MigrationLimits {
+            downtime: Some(Duration::from_millis(250)),
+            timeout: Some(Duration::from_secs(60)),
+            timeout_strategy: TimeoutStrategy::Ignore,
+            local: true,
+        };
+        let value = serde_json::to_value(limits).unwrap();
+        assert_eq!(
+            value,
+            json!({"downtime_ms": 250, "timeout_s": 60, "timeout_strategy": "Ignore", "local": true})
+        );
+        assert_eq!(
+            serde_json::from_value::<MigrationLimits>(value).unwrap(),
+            limits
+        );
+        assert_eq!(
+            serde_json::from_value::<MigrationLimits>(json!({})).unwrap(),
+            MigrationLimits::default()
+        );
+        assert_eq!("IGNORE".parse(), Ok(TimeoutStrategy::Ignore));
+        assert!("later".parse::<TimeoutStrategy>().is_err());
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! `netdev_add`, `device_add` (then `query-pci` for the address the guest sees),
 //! `migrate-incoming`,
 //! `migrate-set-parameters` + `migrate`, `query-migrate` (polled), `migrate_cancel`, `quit`.
-//! QEMU has no migration timeout of its own: [`Vmm::wait_migration`] cancels a migration
-//! that outlives [`MigrationLimits::timeout`], so that both backends end it the same way.
+//! QEMU has no migration timeout of its own: [`Vmm::wait_migration`] enforces
+//! [`MigrationLimits::timeout`] with Cloud Hypervisor's strategies (cancel the migration, or
+//! lift the downtime limit so it completes), so that both backends end it the same way.
 //! QEMU's error classes are translated into [`VmmError`]'s kinds here and nowhere else.
 
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use tokio::net::UnixStream;
 
 use crate::qmp::{QmpClient, QmpError};
 use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
-use crate::{MigrationStatus, ProgressFn, Vmm};
+use crate::{MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
 use crate::{VmStatus, VmmError};
 
 /// How to reach one QEMU process.
@@ -54,6 +55,17 @@ impl QemuConfig {
     }
 }
 
+/// The timeout limit of the outgoing migration.
+#[derive(Debug, Clone, Copy)]
+struct MigrationTimeout {
+    at: Instant,
+    limit: Duration,
+    strategy: TimeoutStrategy,
+}
+
+/// The largest `downtime-limit` QEMU accepts (2000 s): with it any migration converges.
+const UNLIMITED_DOWNTIME_MS: u64 = 2_000_000;
+
 /// A QEMU process driven over QMP.
 #[derive(Debug)]
 pub struct QemuVmm {
@@ -63,8 +75,8 @@ pub struct QemuVmm {
     /// for them would press the slot's attention button again, which a Linux guest (pciehp)
     /// takes as "cancel the unplug"; a second [`Vmm::remove_device`] therefore only waits.
     unplugging: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// When the outgoing migration must have ended, and its timeout limit, if it has one.
-    migration_end: std::sync::Mutex<Option<(Instant, Duration)>>,
+    /// When the outgoing migration reaches its timeout limit, if it has one, and what then.
+    migration_end: std::sync::Mutex<Option<MigrationTimeout>>,
 }
 
 impl QemuVmm {
@@ -313,6 +325,15 @@ impl Vmm for QemuVmm {
     }
 
     async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError> {
+        if limits.local {
+            return Err(VmmError::Unsupported {
+                operation: "send migration",
+                vmm: "QEMU",
+                reason: "local migration (memory handed over as file descriptors) is Cloud \
+                         Hypervisor's; send QEMU's over a unix: or tcp: URI without it"
+                    .into(),
+            });
+        }
         if let Some(downtime) = limits.downtime {
             self.run(
                 "send migration",
@@ -325,9 +346,12 @@ impl Vmm for QemuVmm {
         *self
             .migration_end
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = limits
-            .timeout
-            .map(|timeout| (Instant::now() + timeout, timeout));
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+            limits.timeout.map(|limit| MigrationTimeout {
+                at: Instant::now() + limit,
+                limit,
+                strategy: limits.timeout_strategy,
+            });
         self.run(
             "send migration",
             uri,
@@ -344,22 +368,41 @@ impl Vmm for QemuVmm {
         progress: ProgressFn<'_>,
     ) -> Result<MigrationProgress, VmmError> {
         let end = Instant::now() + deadline;
-        let limit = *self
+        let mut timeout = *self
             .migration_end
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         loop {
             let sample = self.query_migrate().await?;
             progress(&sample);
-            if let Some((limit, timeout)) = limit {
-                if Instant::now() >= limit && !sample.status.is_final() {
-                    // The timeout limit, with Cloud Hypervisor's Cancel strategy: the VM stays.
-                    self.cancel_migration().await?;
-                    return Err(VmmError::TimedOut {
-                        operation: "migration (its timeout limit; cancelled)",
-                        deadline_ms: millis(timeout),
-                    });
+            if let Some(limit) = timeout.filter(|t| Instant::now() >= t.at) {
+                if !sample.status.is_final() {
+                    match limit.strategy {
+                        // The VM stays on the source, as with Cloud Hypervisor.
+                        TimeoutStrategy::Cancel => {
+                            self.cancel_migration().await?;
+                            return Err(VmmError::TimedOut {
+                                operation: "migration (its timeout limit; cancelled)",
+                                deadline_ms: millis(limit.limit),
+                            });
+                        }
+                        // Finish whatever the stop time: no downtime limit any more.
+                        TimeoutStrategy::Ignore => {
+                            self.run(
+                                "send migration",
+                                "",
+                                "migrate-set-parameters",
+                                Some(json!({ "downtime-limit": UNLIMITED_DOWNTIME_MS })),
+                            )
+                            .await?;
+                            tracing::info!(
+                                limit_ms = millis(limit.limit),
+                                "migration timeout reached: downtime limit lifted"
+                            );
+                        }
+                    }
                 }
+                timeout = None;
             }
             match sample.status {
                 MigrationStatus::Completed => return Ok(sample),

@@ -24,7 +24,9 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
-use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, Vmm, VmmError};
+use rdmamig_vmm::{
+    ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, TimeoutStrategy, Vmm, VmmError,
+};
 use serde_json::{json, Map, Value};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
@@ -556,7 +558,7 @@ fn sample_request(endpoint: Endpoint) -> Option<Request> {
             local: false,
             downtime_ms: None,
             timeout_s: None,
-            timeout_strategy: None,
+            timeout_strategy: TimeoutStrategy::Cancel,
         },
         Endpoint::VmReceiveMigration => Request::ReceiveMigration {
             receiver_url: "unix:/run/mig.sock".into(),
@@ -669,10 +671,13 @@ async fn every_request_the_backend_sends_matches_the_spec() {
         MigrationLimits {
             downtime: Some(Duration::from_millis(250)),
             timeout: Some(Duration::from_secs(60)),
+            ..MigrationLimits::default()
         },
         MigrationLimits {
             downtime: Some(Duration::from_micros(10)),
             timeout: Some(Duration::from_millis(10)),
+            timeout_strategy: TimeoutStrategy::Ignore,
+            local: false,
         },
     ] {
         vmm.send_migration("tcp:127.0.0.1:6000", &limits)
@@ -683,11 +688,14 @@ async fn every_request_the_backend_sends_matches_the_spec() {
     vmm.wait_received(Duration::from_secs(5)).await.unwrap();
     vmm.quit().await.unwrap();
     // The variants a configuration changes: local migration, TLS on receive.
-    config.local = true;
     config.tls_dir = Some(fake.path("tls"));
     let local = ChVmm::connect(config).await.unwrap();
+    let limits = MigrationLimits {
+        local: true,
+        ..MigrationLimits::default()
+    };
     local
-        .send_migration("unix:/run/mig.sock", &MigrationLimits::default())
+        .send_migration("unix:/run/mig.sock", &limits)
         .await
         .unwrap();
     local.prepare_incoming("tcp:127.0.0.1:6001").await.unwrap();

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use rdmamig_vmm::qmp::QmpError;
 use rdmamig_vmm::{
-    DeviceSpec, MigrationLimits, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError,
+    DeviceSpec, MigrationLimits, MigrationStatus, QemuConfig, QemuVmm, TimeoutStrategy, Vmm,
+    VmmError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -324,6 +325,7 @@ async fn limits_set_the_downtime_and_a_migration_past_its_timeout_is_cancelled()
     let limits = MigrationLimits {
         downtime: Some(Duration::from_millis(123)),
         timeout: Some(Duration::from_secs(1)),
+        ..MigrationLimits::default()
     };
     src.send_migration(&via, &limits).await.unwrap();
     let parameters = src
@@ -360,6 +362,58 @@ async fn limits_set_the_downtime_and_a_migration_past_its_timeout_is_cancelled()
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_ne!(src.status().await.unwrap().state, "postmigrate");
+}
+
+#[tokio::test]
+async fn past_its_timeout_with_the_ignore_strategy_a_migration_completes_and_local_is_refused() {
+    let source = Qemu::start(&["-S"]);
+    let destination = Qemu::start(&["-S", "-incoming", "defer"]);
+    let src = source.connect().await;
+    let dst = destination.connect().await;
+    let via = uri(&destination.path("mig.sock"));
+    let local = MigrationLimits {
+        local: true,
+        ..MigrationLimits::default()
+    };
+    let err = src.send_migration(&via, &local).await.unwrap_err();
+    assert!(matches!(&err, VmmError::Unsupported { .. }), "{err}");
+    assert_eq!(
+        src.qmp().execute("query-migrate", None).await.unwrap(),
+        serde_json::json!({}),
+        "a refused migration started nothing"
+    );
+    // The throttled link keeps the migration's first pass (about 0.5 MB) going past the
+    // timeout; then the downtime limit is lifted and the migration completes.
+    src.qmp()
+        .execute(
+            "migrate-set-parameters",
+            Some(serde_json::json!({"max-bandwidth": 100_000})),
+        )
+        .await
+        .unwrap();
+    dst.prepare_incoming(&via).await.unwrap();
+    let limits = MigrationLimits {
+        downtime: Some(Duration::from_millis(1)),
+        timeout: Some(Duration::from_secs(1)),
+        timeout_strategy: TimeoutStrategy::Ignore,
+        local: false,
+    };
+    src.send_migration(&via, &limits).await.unwrap();
+    let done = src
+        .wait_migration(Duration::from_secs(60), &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(done.status, MigrationStatus::Completed);
+    let parameters = src
+        .qmp()
+        .execute("query-migrate-parameters", None)
+        .await
+        .unwrap();
+    assert_eq!(parameters["downtime-limit"], 2_000_000, "{parameters}");
+    eprintln!(
+        "completed after the timeout: total {:?} ms, downtime {:?} ms",
+        done.total_time_ms, done.downtime_ms
+    );
 }
 
 #[tokio::test]
