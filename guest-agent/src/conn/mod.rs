@@ -67,6 +67,7 @@
 //! allow that operation), [`ConnError::HandleInUse`], [`ConnError::OneSidedTimedOut`]
 //! (naming `flush_writes` or `read`), and the connection's own errors.
 
+mod asynchronous;
 mod credits;
 mod failure;
 mod listener;
@@ -86,6 +87,7 @@ use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
 use rdmamig_proto::ConnectionId;
 use thiserror::Error;
 
+pub use asynchronous::{AsyncConnection, AsyncListener};
 pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;
 pub use onesided::{Access, Exposed, RemoteBuffer};
@@ -237,6 +239,15 @@ pub enum ConnError {
         #[source]
         source: VerbsError,
     },
+    /// An async operation's task on tokio's blocking pool ended without an answer (it
+    /// panicked, or the runtime is shutting down).
+    #[error("the {op} task on tokio's blocking pool ended without an answer: {reason}")]
+    BlockingTask {
+        /// The operation.
+        op: &'static str,
+        /// What tokio said.
+        reason: String,
+    },
     /// A thread or descriptor could not be created.
     #[error("could not start the connection's {what}")]
     Spawn {
@@ -379,7 +390,10 @@ pub(crate) struct ConnShared {
     pub(crate) role: Role,
     pub(crate) opts: ConnectOptions,
     pub(crate) state: Mutex<State>,
+    /// Wakes blocking callers when the worker changed the state (see [`ConnShared::changed`]).
     pub(crate) cond: Condvar,
+    /// Wakes async callers, as `cond` wakes blocking ones.
+    pub(crate) changed_async: tokio::sync::Notify,
     pub(crate) wake: EventFd,
     commands: Mutex<mpsc::Sender<Command>>,
 }
@@ -418,6 +432,7 @@ impl ConnShared {
                 onesided: Default::default(),
             }),
             cond: Condvar::new(),
+            changed_async: tokio::sync::Notify::new(),
             wake,
             commands: Mutex::new(tx),
         });
@@ -426,6 +441,13 @@ impl ConnShared {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The worker changed what callers wait for (a message arrived, the outbox drained, the
+    /// state or a failure): wakes blocking and async callers alike.
+    pub(crate) fn changed(&self) {
+        self.cond.notify_all();
+        self.changed_async.notify_waiters();
     }
 
     pub(crate) fn notify_worker(&self) {
@@ -577,18 +599,13 @@ impl Connection {
     /// Queues `msg` for delivery; waits up to `send_timeout` while the outbox is full.
     /// Accepted while quiesced or resuming: it is sent once the connection is back.
     pub fn send(&self, msg: &[u8]) -> Result<(), ConnError> {
+        self.check_size(msg)?;
         let opts = &self.shared.opts;
-        if msg.len() > opts.max_message {
-            return Err(ConnError::MessageTooLarge {
-                len: msg.len(),
-                max: opts.max_message,
-            });
-        }
         let deadline = Instant::now() + opts.send_timeout;
         let mut st = self.shared.lock();
         loop {
             self.check_usable(&st, "send")?;
-            if st.outbox.len() < opts.max_outbox {
+            if self.has_room(&st) {
                 break;
             }
             let now = Instant::now();
@@ -606,12 +623,34 @@ impl Connection {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        self.enqueue(st, msg);
+        Ok(())
+    }
+
+    /// Checks a message against `max_message` before it is queued.
+    fn check_size(&self, msg: &[u8]) -> Result<(), ConnError> {
+        let max = self.shared.opts.max_message;
+        if msg.len() > max {
+            return Err(ConnError::MessageTooLarge {
+                len: msg.len(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the outbox has room for one more message.
+    fn has_room(&self, st: &State) -> bool {
+        st.outbox.len() < self.shared.opts.max_outbox
+    }
+
+    /// Numbers `msg`, queues it and wakes the worker.
+    fn enqueue(&self, mut st: MutexGuard<'_, State>, msg: &[u8]) {
         let seq = st.next_seq;
         st.next_seq += 1;
         st.outbox.push_back((seq, msg.to_vec()));
         drop(st);
         self.shared.notify_worker();
-        Ok(())
     }
 
     fn check_usable(&self, st: &State, op: &'static str) -> Result<(), ConnError> {

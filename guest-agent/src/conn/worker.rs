@@ -387,7 +387,7 @@ impl Worker {
             st.conn_state = s;
         }
         drop(st);
-        self.sh.cond.notify_all();
+        self.sh.changed();
     }
 
     fn start(&mut self, start: Start) {
@@ -714,7 +714,7 @@ impl Worker {
         st.local = local;
         st.peer = peer;
         drop(st);
-        self.sh.cond.notify_all();
+        self.sh.changed();
         self.down = Down::None;
         self.last_error.clear();
         self.last_link = None;
@@ -797,7 +797,7 @@ impl Worker {
             }
             drop(st);
             if delivered {
-                self.sh.cond.notify_all();
+                self.sh.changed();
             }
             self.wcs = wcs;
             if failure.is_some() {
@@ -1128,7 +1128,7 @@ impl Worker {
         st.onesided.ops.clear();
         st.conn_state = ConnectionState::Closed;
         drop(st);
-        self.sh.cond.notify_all();
+        self.sh.changed();
         self.done = true;
     }
 
@@ -1142,7 +1142,7 @@ impl Worker {
         st.failure = Some(cause);
         st.onesided.ops.clear();
         drop(st);
-        self.sh.cond.notify_all();
+        self.sh.changed();
         for op in [
             self.quiesce_op.take(),
             self.resume_op.take(),

@@ -1,0 +1,218 @@
+//! The async API on tokio: [`AsyncConnection`] and [`AsyncListener`].
+//!
+//! A connection's verbs objects belong to its worker thread, which must own them across a
+//! quiesce, a device swap and a resume; it sleeps in poll(2) on the completion channel, the
+//! CM event channel and an eventfd, so nothing busy-polls. What an application waits for (a
+//! message, room in the outbox, the peer's acknowledgement, a failure) is state the worker
+//! changes, and it wakes blocking callers through a condvar and async callers through a
+//! [`tokio::sync::Notify`]: an async `send` or `recv` never blocks a runtime thread. The
+//! operations that wait for the worker to carry out a command (connect, accept, close) run
+//! on tokio's blocking pool. The blocking [`Connection`] stays available
+//! ([`AsyncConnection::blocking`]) for what has no async form yet (one-sided transfers).
+//!
+//! ```no_run
+//! use rdmamig_guest::conn::{AsyncConnection, AsyncListener, ConnectOptions};
+//! use std::time::Duration;
+//! # async fn example() -> Result<(), rdmamig_guest::conn::ConnError> {
+//! let opts = ConnectOptions::default();
+//! // Server: echo every message back.
+//! let listener = AsyncListener::bind("10.77.0.1:7471".parse().unwrap(), &opts)?;
+//! tokio::spawn(async move {
+//!     let conn = listener.accept(Duration::from_secs(30)).await?;
+//!     while let Some(msg) = conn.recv(Duration::from_secs(60)).await? {
+//!         conn.send(&msg).await?;
+//!     }
+//!     conn.close().await
+//! });
+//! // Client.
+//! let conn = AsyncConnection::connect("10.77.0.1:7471".parse().unwrap(), &opts).await?;
+//! conn.send(b"hello").await?;
+//! let echo = conn.recv(Duration::from_secs(1)).await?;
+//! assert_eq!(echo.as_deref(), Some(&b"hello"[..]));
+//! conn.close().await
+//! # }
+//! ```
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::agent::ConnectionInfo;
+use rdmamig_proto::ConnectionId;
+use tokio::sync::futures::Notified;
+
+use super::{ConnError, ConnStats, ConnectOptions, Connection, Listener};
+
+/// A migratable connection with an async API; see the module docs.
+#[derive(Debug, Clone)]
+pub struct AsyncConnection {
+    conn: Arc<Connection>,
+}
+
+impl From<Connection> for AsyncConnection {
+    fn from(conn: Connection) -> Self {
+        AsyncConnection {
+            conn: Arc::new(conn),
+        }
+    }
+}
+
+impl AsyncConnection {
+    /// Connects to a listener at `peer`, retrying until `opts.connect_timeout`.
+    pub async fn connect(
+        peer: SocketAddr,
+        opts: &ConnectOptions,
+    ) -> Result<AsyncConnection, ConnError> {
+        let opts = opts.clone();
+        blocking("connect", move || Connection::connect(peer, &opts))
+            .await
+            .map(AsyncConnection::from)
+    }
+
+    /// The blocking handle of the same connection.
+    pub fn blocking(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// The connection's id.
+    pub fn id(&self) -> ConnectionId {
+        self.conn.id()
+    }
+
+    /// A snapshot for the agent.
+    pub fn info(&self) -> ConnectionInfo {
+        self.conn.info()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ConnStats {
+        self.conn.stats()
+    }
+
+    /// Queues `msg` for delivery; waits up to `send_timeout` while the outbox is full.
+    /// Accepted while quiesced or resuming: it is sent once the connection is back.
+    pub async fn send(&self, msg: &[u8]) -> Result<(), ConnError> {
+        self.conn.check_size(msg)?;
+        let shared = &self.conn.shared;
+        let timeout = shared.opts.send_timeout;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let changed = shared.changed_async.notified();
+            tokio::pin!(changed);
+            // Registered before the state is checked, so a change in between is not missed.
+            changed.as_mut().enable();
+            let queued = {
+                let st = shared.lock();
+                self.conn.check_usable(&st, "send")?;
+                if self.conn.has_room(&st) {
+                    self.conn.enqueue(st, msg);
+                    return Ok(());
+                }
+                st.outbox.len()
+            };
+            if !wait(changed, deadline).await {
+                return Err(ConnError::SendTimedOut {
+                    id: shared.id,
+                    after: timeout,
+                    queued,
+                });
+            }
+        }
+    }
+
+    /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.
+    pub async fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, ConnError> {
+        let shared = &self.conn.shared;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let changed = shared.changed_async.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if let Some(msg) = st.inbox.pop_front() {
+                    return Ok(Some(msg));
+                }
+                self.conn.check_usable(&st, "recv")?;
+            }
+            if !wait(changed, deadline).await {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Waits up to `timeout` until every message sent so far has been acknowledged by the
+    /// peer; returns whether it was.
+    pub async fn flush(&self, timeout: Duration) -> bool {
+        let shared = &self.conn.shared;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let changed = shared.changed_async.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let st = shared.lock();
+                if st.outbox.is_empty() || st.failure.is_some() {
+                    return st.outbox.is_empty();
+                }
+            }
+            if !wait(changed, deadline).await {
+                return false;
+            }
+        }
+    }
+
+    /// Closes the connection; see [`Connection::close`].
+    pub async fn close(&self) -> Result<(), ConnError> {
+        let conn = self.conn.clone();
+        blocking("close", move || conn.close()).await
+    }
+}
+
+/// A listener with an async `accept`; see the module docs.
+#[derive(Debug, Clone)]
+pub struct AsyncListener {
+    listener: Arc<Listener>,
+}
+
+impl AsyncListener {
+    /// Listens on `addr` (an address of an RDMA device); see [`Listener::bind`].
+    pub fn bind(addr: SocketAddr, opts: &ConnectOptions) -> Result<AsyncListener, ConnError> {
+        Ok(AsyncListener {
+            listener: Arc::new(Listener::bind(addr, opts)?),
+        })
+    }
+
+    /// The address listened on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr()
+    }
+
+    /// Waits up to `timeout` for a new, established connection.
+    pub async fn accept(&self, timeout: Duration) -> Result<AsyncConnection, ConnError> {
+        let listener = self.listener.clone();
+        blocking("accept", move || listener.accept(timeout))
+            .await
+            .map(AsyncConnection::from)
+    }
+}
+
+/// Waits for `changed` until `deadline`; false once the deadline has passed.
+async fn wait(changed: Pin<&mut Notified<'_>>, deadline: Instant) -> bool {
+    let left = deadline.saturating_duration_since(Instant::now());
+    !left.is_zero() && tokio::time::timeout(left, changed).await.is_ok()
+}
+
+/// Runs an operation that waits for the worker on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    op: &'static str,
+    f: impl FnOnce() -> Result<T, ConnError> + Send + 'static,
+) -> Result<T, ConnError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ConnError::BlockingTask {
+            op,
+            reason: e.to_string(),
+        })?
+}
