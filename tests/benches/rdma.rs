@@ -62,32 +62,49 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Every round's value of the raw-verbs and the library runs.
+/// Every round's value of each way of sending: raw verbs, the library's blocking API, and
+/// its async API.
+#[derive(Default)]
+struct Series {
+    raw: Vec<f64>,
+    blocking: Vec<f64>,
+    asynchronous: Vec<f64>,
+}
+
+impl Series {
+    fn row(&self, what: &str) -> String {
+        let raw = median(&self.raw);
+        format!(
+            "| {what:<27} | {:>20} | {:>20} | {:>20} | {:>8.3} | {:>8.3} |\n",
+            spread(&self.raw),
+            spread(&self.blocking),
+            spread(&self.asynchronous),
+            median(&self.blocking) / raw,
+            median(&self.asynchronous) / raw,
+        )
+    }
+}
+
+/// The library-overhead measurements.
+#[derive(Default)]
 struct Overhead {
-    raw_rate: Vec<f64>,
-    lib_rate: Vec<f64>,
-    raw_lat_us: Vec<f64>,
-    lib_lat_us: Vec<f64>,
+    rate: Series,
+    latency_us: Series,
 }
 
 impl Overhead {
     fn render(&self) -> String {
-        let rate_ratio = median(&self.lib_rate) / median(&self.raw_rate);
-        let lat_ratio = median(&self.lib_lat_us) / median(&self.raw_lat_us);
+        let worst = (median(&self.rate.blocking).min(median(&self.rate.asynchronous)))
+            / median(&self.rate.raw);
         format!(
-            "| library overhead ({SIZE} B), median (range) | raw verbs | rdmamig library | library / raw |\n\
-             |---------------------------------------------|----------:|----------------:|--------------:|\n\
-             | message rate (msg/s)                        | {:>9} | {:>15} | {:>13.3} |\n\
-             | latency (us, one way, mean of a run)        | {:>9} | {:>15} | {:>13.3} |\n\
-             target: message rate overhead under 10% (library / raw >= 0.900): {} ({:.1}% overhead)\n",
-            spread(&self.raw_rate),
-            spread(&self.lib_rate),
-            rate_ratio,
-            spread(&self.raw_lat_us),
-            spread(&self.lib_lat_us),
-            lat_ratio,
-            verdict(rate_ratio >= 0.9),
-            (1.0 - rate_ratio) * 100.0,
+            "| {SIZE} B, median (range)      | raw verbs            | library, blocking    | library, async       | blk/raw  | async/raw |\n\
+             |-----------------------------|---------------------:|---------------------:|---------------------:|---------:|---------:|\n\
+             {}{}\
+             target: message rate overhead under 10% (library / raw >= 0.900, worse API): {} ({:.1}% overhead)\n",
+            self.rate.row("message rate (msg/s)"),
+            self.latency_us.row("latency (us, one way, mean)"),
+            verdict(worst >= 0.9),
+            (1.0 - worst) * 100.0,
         )
     }
 }
@@ -113,30 +130,38 @@ fn measure_overhead(
     client: &Guest,
 ) -> Result<Overhead, Box<dyn std::error::Error>> {
     let at = server.spec().address().to_owned();
-    let (mut raw_rate, mut lib_rate, mut raw_lat, mut lib_lat) = (vec![], vec![], vec![], vec![]);
+    let mut o = Overhead::default();
     for round in 1..=ROUNDS {
         let raw = raw_verbs(server, client, &at, &SEND_BW, &format!("-n {COUNT}"))?;
-        raw_rate.push(column(&raw, "MsgRate[Mpps]")? * 1e6);
-        let lib = library(server, client, &at, &format!("bw --count {COUNT}"))?;
-        lib_rate.push(number(&lib, "msg_rate")?);
+        o.rate.raw.push(column(&raw, "MsgRate[Mpps]")? * 1e6);
         let raw = raw_verbs(server, client, &at, &RC_PINGPONG, &format!("-n {ITERS}"))?;
-        raw_lat.push(usec_per_iter(&raw)? / 2.0);
-        let lib = library(server, client, &at, &format!("lat --iters {ITERS}"))?;
-        lib_lat.push(number(&lib, "mean_us")?);
+        o.latency_us.raw.push(usec_per_iter(&raw)? / 2.0);
+        for (api, rate, latency) in [
+            ("blocking", &mut o.rate.blocking, &mut o.latency_us.blocking),
+            (
+                "async",
+                &mut o.rate.asynchronous,
+                &mut o.latency_us.asynchronous,
+            ),
+        ] {
+            let lib = library(server, client, &at, api, &format!("bw --count {COUNT}"))?;
+            rate.push(number(&lib, "msg_rate")?);
+            let lib = library(server, client, &at, api, &format!("lat --iters {ITERS}"))?;
+            latency.push(number(&lib, "mean_us")?);
+        }
+        let last = |v: &Vec<f64>| v.last().copied().unwrap_or(f64::NAN);
         println!(
-            "round {round}: rate raw {:.0} lib {:.0} msg/s; latency raw {:.1} lib {:.1} us",
-            raw_rate[round - 1],
-            lib_rate[round - 1],
-            raw_lat[round - 1],
-            lib_lat[round - 1]
+            "round {round}: rate raw {:.0} blocking {:.0} async {:.0} msg/s; \
+             latency raw {:.1} blocking {:.1} async {:.1} us",
+            last(&o.rate.raw),
+            last(&o.rate.blocking),
+            last(&o.rate.asynchronous),
+            last(&o.latency_us.raw),
+            last(&o.latency_us.blocking),
+            last(&o.latency_us.asynchronous),
         );
     }
-    Ok(Overhead {
-        raw_rate,
-        lib_rate,
-        raw_lat_us: raw_lat,
-        lib_lat_us: lib_lat,
-    })
+    Ok(o)
 }
 
 /// A raw-verbs tool run as a pair: the same command on both sides, the client naming the
@@ -170,14 +195,11 @@ fn raw_verbs(
     args: &str,
 ) -> Result<String, Box<dyn std::error::Error>> {
     let command = format!("{} {} -s {SIZE} {args}", tool.program, tool.options);
-    server.run_ok(
-        &format!("{command} >/tmp/raw-server.log 2>&1 &"),
-        RUN_TIMEOUT,
-    )?;
+    start_server(server, &command)?;
     // Both tools' clients give up at once when the server is not listening yet (TCP 18515).
     wait_listening(server, 18515)?;
     let out = client.run_ok(&format!("{command} {at} 2>&1"), RUN_TIMEOUT)?;
-    server.run_ok("wait", RUN_TIMEOUT)?;
+    wait_server(server)?;
     Ok(out)
 }
 
@@ -191,27 +213,49 @@ fn usec_per_iter(output: &str) -> Result<f64, Box<dyn std::error::Error>> {
     Ok(value.parse()?)
 }
 
-/// Runs `rdmamig-perf <args>` against a fresh `rdmamig-perf serve` and returns its JSON.
+/// Runs `rdmamig-perf --api <api> <test>` against a fresh `rdmamig-perf serve` and returns its
+/// JSON.
 fn library(
     server: &Guest,
     client: &Guest,
     at: &str,
-    args: &str,
+    api: &str,
+    test: &str,
 ) -> Result<Value, Box<dyn std::error::Error>> {
-    server.run_ok(
-        &format!("rdmamig-perf serve --listen {at}:{PERF_PORT} >/tmp/perf-server.log 2>&1 &"),
-        RUN_TIMEOUT,
+    start_server(
+        server,
+        &format!("rdmamig-perf --api {api} serve --listen {at}:{PERF_PORT}"),
     )?;
     let out = client.run_ok(
-        &format!("rdmamig-perf {args} --size {SIZE} --to {at}:{PERF_PORT}"),
+        &format!("rdmamig-perf --api {api} {test} --size {SIZE} --to {at}:{PERF_PORT}"),
         RUN_TIMEOUT,
     )?;
-    server.run_ok("wait", RUN_TIMEOUT)?;
+    wait_server(server)?;
     let line = out
         .lines()
         .find(|l| l.starts_with('{'))
         .ok_or_else(|| format!("rdmamig-perf printed no report: {out}"))?;
     Ok(serde_json::from_str(line)?)
+}
+
+/// Starts a server command in the background; [`wait_server`] waits for it (each console
+/// command runs in a shell of its own, so a later `wait` would not see it).
+fn start_server(guest: &Guest, command: &str) -> Result<(), Box<dyn std::error::Error>> {
+    guest.run_ok(
+        &format!("{command} >/tmp/server.log 2>&1 & echo $! >/tmp/server.pid"),
+        RUN_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// Waits (bounded) until the server [`start_server`] started has exited.
+fn wait_server(guest: &Guest) -> Result<(), Box<dyn std::error::Error>> {
+    guest.run_ok(
+        "i=0; while kill -0 $(cat /tmp/server.pid) 2>/dev/null; do \
+           i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done",
+        RUN_TIMEOUT,
+    )?;
+    Ok(())
 }
 
 /// Waits until a TCP port is in state LISTEN (0A) in `guest` (bounded); the previous run's

@@ -34,15 +34,13 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::ConnectionInfo;
 use rdmamig_proto::ConnectionId;
-use tokio::sync::futures::Notified;
 
-use super::{ConnError, ConnStats, ConnectOptions, Connection, Listener};
+use super::{ConnError, ConnStats, ConnectOptions, Connection, Listener, State};
 
 /// A migratable connection with an async API; see the module docs.
 #[derive(Debug, Clone)]
@@ -94,71 +92,69 @@ impl AsyncConnection {
     /// Accepted while quiesced or resuming: it is sent once the connection is back.
     pub async fn send(&self, msg: &[u8]) -> Result<(), ConnError> {
         self.conn.check_size(msg)?;
-        let shared = &self.conn.shared;
-        let timeout = shared.opts.send_timeout;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let changed = shared.changed_async.notified();
-            tokio::pin!(changed);
-            // Registered before the state is checked, so a change in between is not missed.
-            changed.as_mut().enable();
-            let queued = {
-                let st = shared.lock();
-                self.conn.check_usable(&st, "send")?;
+        let timeout = self.conn.shared.opts.send_timeout;
+        let mut queued = 0;
+        let sent = self
+            .wait_until(Instant::now() + timeout, |st| {
+                if let Err(e) = self.conn.check_usable(&st, "send") {
+                    return Some(Err(e));
+                }
                 if self.conn.has_room(&st) {
                     self.conn.enqueue(st, msg);
-                    return Ok(());
+                    return Some(Ok(()));
                 }
-                st.outbox.len()
-            };
-            if !wait(changed, deadline).await {
-                return Err(ConnError::SendTimedOut {
-                    id: shared.id,
-                    after: timeout,
-                    queued,
-                });
-            }
-        }
+                queued = st.outbox.len();
+                None
+            })
+            .await;
+        sent.unwrap_or(Err(ConnError::SendTimedOut {
+            id: self.id(),
+            after: timeout,
+            queued,
+        }))
     }
 
     /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.
     pub async fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, ConnError> {
-        let shared = &self.conn.shared;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let changed = shared.changed_async.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            {
-                let mut st = shared.lock();
-                if let Some(msg) = st.inbox.pop_front() {
-                    return Ok(Some(msg));
-                }
-                self.conn.check_usable(&st, "recv")?;
+        self.wait_until(Instant::now() + timeout, |mut st| {
+            match st.inbox.pop_front() {
+                Some(msg) => Some(Ok(Some(msg))),
+                None => self.conn.check_usable(&st, "recv").err().map(Err),
             }
-            if !wait(changed, deadline).await {
-                return Ok(None);
-            }
-        }
+        })
+        .await
+        .unwrap_or(Ok(None))
     }
 
     /// Waits up to `timeout` until every message sent so far has been acknowledged by the
     /// peer; returns whether it was.
     pub async fn flush(&self, timeout: Duration) -> bool {
+        self.wait_until(Instant::now() + timeout, |st| {
+            (st.outbox.is_empty() || st.failure.is_some()).then(|| st.outbox.is_empty())
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Calls `decide` with the locked state until it returns an answer, waiting for the
+    /// worker's changes in between; `None` once `deadline` has passed. The wake-up is
+    /// registered before each look at the state, so a change in between is not missed.
+    async fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        mut decide: impl FnMut(MutexGuard<'_, State>) -> Option<T>,
+    ) -> Option<T> {
         let shared = &self.conn.shared;
-        let deadline = Instant::now() + timeout;
         loop {
             let changed = shared.changed_async.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            {
-                let st = shared.lock();
-                if st.outbox.is_empty() || st.failure.is_some() {
-                    return st.outbox.is_empty();
-                }
+            if let Some(answer) = decide(shared.lock()) {
+                return Some(answer);
             }
-            if !wait(changed, deadline).await {
-                return false;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, changed).await.is_err() {
+                return None;
             }
         }
     }
@@ -196,12 +192,6 @@ impl AsyncListener {
             .await
             .map(AsyncConnection::from)
     }
-}
-
-/// Waits for `changed` until `deadline`; false once the deadline has passed.
-async fn wait(changed: Pin<&mut Notified<'_>>, deadline: Instant) -> bool {
-    let left = deadline.saturating_duration_since(Instant::now());
-    !left.is_zero() && tokio::time::timeout(left, changed).await.is_ok()
 }
 
 /// Runs an operation that waits for the worker on tokio's blocking pool.
