@@ -237,7 +237,7 @@ pub enum PeerError {
     #[error("the peer migrator closed the connection without an answer")]
     NoAnswer,
     /// The destination migrator did not do what was asked.
-    #[error("the destination migrator {peer} refused: {reason}")]
+    #[error("{peer} refused: {reason}")]
     Refused {
         /// The peer.
         peer: String,
@@ -245,7 +245,7 @@ pub enum PeerError {
         reason: String,
     },
     /// The answer does not answer the call.
-    #[error("the destination migrator {peer} answered {call} with something else")]
+    #[error("{peer} answered {call} with something else")]
     Unexpected {
         /// The peer.
         peer: String,
@@ -973,9 +973,7 @@ mod tests {
         assert_eq!(report.vm_location, VmLocation::Source);
         let error = report.error.unwrap();
         assert!(
-            error.contains(&format!(
-                "the destination migrator migrator at {address} refused"
-            )),
+            error.contains(&format!("migrator at {address} refused")),
             "{error}"
         );
         let steps = report.timeline.phases.last().unwrap().details["steps"].to_string();
@@ -983,6 +981,47 @@ mod tests {
         assert!(steps.contains("function vf0 released"), "{steps}");
         assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
         assert!(host.state().destination_gone);
+    }
+
+    #[tokio::test]
+    async fn a_restarted_source_finishes_or_rolls_back_a_remote_move_from_its_journal() {
+        for (crash_at, done) in [(Phase::Detach, false), (Phase::Attach, true)] {
+            let pki = Pki::new("rdmamig");
+            let (src, dst) = (pki.issue("src"), pki.issue("dst"));
+            let host = FakeHost::new();
+            let (address, pool, _dir) =
+                destination(pki.tls(&dst, &[("src", &src.0, None)]), &host).await;
+            let dir = tempfile::tempdir().unwrap();
+            let source_tls = pki.tls(&src, &[("dst", &dst.0, Some(&address))]);
+            let mut plan = plan();
+            plan.from_pool = true;
+            plan.destination_migrator = Some("dst".into());
+            let journal = Journal::create(dir.path(), "m1", &plan).unwrap();
+            let mut context = source_context(source_tls.clone(), &host, dir.path());
+            context.boundary = Some(Arc::new(move |phase| {
+                assert!(phase != crash_at, "killed at {phase}");
+            }));
+            let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+            let killed = tokio::spawn(run_move("m1".into(), plan, journal, context, events)).await;
+            assert!(killed.is_err(), "the move was not killed at {crash_at}");
+            // The restarted daemon has only its config and the journal.
+            let (path, replay) = crate::journal::unfinished(dir.path())
+                .unwrap()
+                .into_iter()
+                .next()
+                .unwrap();
+            let context = source_context(source_tls, &host, dir.path());
+            let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+            let journal = Journal::reopen(&path).unwrap();
+            let report = crate::mover::recover(replay, journal, context, events).await;
+            assert_eq!(report.ok, done, "{crash_at}: {report:#?}");
+            let expected = if done {
+                FunctionState::Attached { vm: "vm1".into() }
+            } else {
+                FunctionState::Free
+            };
+            assert_eq!(pool.state("vf0"), Some(expected), "{crash_at}");
+        }
     }
 
     #[tokio::test]

@@ -183,26 +183,41 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `rdmamig daemon` with its socket in `dir`, and waits for the socket.
     pub fn start(dir: &Path) -> Result<Daemon, ScenarioError> {
-        let socket = dir.join("rdmamig.sock");
-        let log = std::fs::File::create(dir.join("rdmamig-daemon.log")).map_err(|source| {
-            ScenarioError::Spawn {
-                program: "rdmamig daemon".into(),
-                source,
-            }
-        })?;
-        let child = Command::new(crate::bin_dir().join("rdmamig"))
+        Daemon::start_named(dir, "rdmamig", None)
+    }
+
+    /// Starts `rdmamig daemon` `name` (socket `<dir>/<name>.sock`, state `<dir>/<name>-state`,
+    /// log `<dir>/<name>-daemon.log`) with the config file `config`, if any (several daemons
+    /// play several hosts), and waits for the socket.
+    pub fn start_named(
+        dir: &Path,
+        name: &str,
+        config: Option<&Path>,
+    ) -> Result<Daemon, ScenarioError> {
+        let socket = dir.join(format!("{name}.sock"));
+        let log =
+            std::fs::File::create(dir.join(format!("{name}-daemon.log"))).map_err(|source| {
+                ScenarioError::Spawn {
+                    program: "rdmamig daemon".into(),
+                    source,
+                }
+            })?;
+        let mut command = Command::new(crate::bin_dir().join("rdmamig"));
+        command
             .args(["daemon", "--socket"])
             .arg(&socket)
             .arg("--state-dir")
-            .arg(dir.join("rdmamig-state"))
+            .arg(dir.join(format!("{name}-state")))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("cloning a file handle"))
-            .stderr(log)
-            .spawn()
-            .map_err(|source| ScenarioError::Spawn {
-                program: "rdmamig daemon".into(),
-                source,
-            })?;
+            .stderr(log);
+        if let Some(config) = config {
+            command.arg("--config").arg(config);
+        }
+        let child = command.spawn().map_err(|source| ScenarioError::Spawn {
+            program: "rdmamig daemon".into(),
+            source,
+        })?;
         let daemon = Daemon { child, socket };
         let timeout = Duration::from_secs(10);
         let end = Instant::now() + timeout;

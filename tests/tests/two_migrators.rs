@@ -1,0 +1,276 @@
+//! Migrator to migrator on the test bed: three `rdmamig daemon`s play three hosts, each with
+//! its own config, pool, state and API socket, and certificates generated for the test (one
+//! CA). The source daemon moves a VM with live RDMA traffic to a QEMU whose host duties
+//! (reserve a function from its pool, ready the VMM to receive, plug the function, resume the
+//! connections through the agent) the destination daemon does, asked over mutual TLS. Before
+//! that, with the traffic running: a destination that presents a certificate other than the
+//! one the source lists for that name is refused by the sending side, and a destination
+//! migrator without a free function refuses the reservation; both moves roll back at
+//! prepare, before anything in the VM is touched. Nothing is lost, duplicated or reordered.
+//!
+//! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use rdmamig_testbed::scenario::Daemon;
+use rdmamig_testbed::steps::{
+    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
+};
+use rdmamig_testbed::{bin_dir, error_chain, Testbed};
+use serde_json::Value;
+
+const TAG: &str = "flow";
+
+/// A CA in `dir` and the certificates it issues (for `localhost` and 127.0.0.1).
+struct Pki {
+    dir: PathBuf,
+    ca: rcgen::Certificate,
+    ca_key: KeyPair,
+}
+
+impl Pki {
+    fn new(dir: &Path) -> Pki {
+        std::fs::create_dir_all(dir).unwrap();
+        let ca_key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["rdmamig test CA".into()]).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&ca_key).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        Pki {
+            dir: dir.into(),
+            ca,
+            ca_key,
+        }
+    }
+
+    /// Issues the certificate and key `<dir>/<name>.{pem,key}`.
+    fn issue(&self, name: &str) {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        std::fs::write(self.dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(self.dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
+    }
+
+    /// A `[peer]` table for host `name`, listening on `listen` if given, knowing `known`
+    /// (name, whose certificate, address).
+    fn peer_table(&self, name: &str, listen: Option<u16>, known: &[(&str, &str, u16)]) -> String {
+        let dir = self.dir.display();
+        let mut text = format!(
+            "[peer]\ncert = \"{dir}/{name}.pem\"\nkey = \"{dir}/{name}.key\"\nca = \"{dir}/ca.pem\"\n"
+        );
+        if let Some(port) = listen {
+            text.push_str(&format!("listen = \"127.0.0.1:{port}\"\n"));
+        }
+        for (peer, cert, port) in known {
+            text.push_str(&format!(
+                "\n[[peer.known]]\nname = \"{peer}\"\ncert = \"{dir}/{cert}.pem\"\n\
+                 address = \"127.0.0.1:{port}\"\n"
+            ));
+        }
+        text
+    }
+}
+
+/// A loopback port nobody listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Runs `rdmamig migrate` for `src` → `dst` through `daemon`, with `args` added; returns the
+/// exit code, stdout and the report.
+fn migrate(
+    daemon: &Daemon,
+    guests: &MoveGuests,
+    report: &Path,
+    args: &[&str],
+) -> (Option<i32>, String, Value) {
+    let out = migrate_command(daemon.socket(), &guests.src, &guests.dst)
+        .args(args)
+        .arg("--report")
+        .arg(report)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report = std::fs::read(report)
+        .map(|bytes| serde_json::from_slice(&bytes).unwrap())
+        .unwrap_or(Value::Null);
+    (out.status.code(), stdout, report)
+}
+
+fn phases(report: &Value) -> Vec<&str> {
+    report["timeline"]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect()
+}
+
+/// `rdmamig pool --json` of `daemon`: the state of function `name`.
+fn pool_state(daemon: &Daemon, name: &str) -> Value {
+    let out = Command::new(bin_dir().join("rdmamig"))
+        .args(["pool", "--json", "--socket"])
+        .arg(daemon.socket())
+        .output()
+        .unwrap();
+    let functions: Value = serde_json::from_slice(&out.stdout).unwrap();
+    functions
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == name)
+        .map(|f| f["state"].clone())
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back() {
+    let bed = Testbed::new("twomigrators").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let pki = Pki::new(&bed.dir().join("pki"));
+    for host in ["source", "destination", "full", "stranger"] {
+        pki.issue(host);
+    }
+    let (destination_port, full_port) = (free_port(), free_port());
+    // The source lists the destination twice: as `dst` with its real certificate, and as
+    // `impostor` with another host's, at the same address.
+    let source_config = pki.peer_table(
+        "source",
+        None,
+        &[
+            ("dst", "destination", destination_port),
+            ("impostor", "stranger", destination_port),
+            ("full", "full", full_port),
+        ],
+    );
+    let destination_config =
+        format!(
+        "[[pool.function]]\nname = \"tap1\"\ndevice = \"driver=virtio-net-pci,netdev=nd0\"\n\n{}",
+        pki.peer_table("destination", Some(destination_port), &[("src", "source", 0)])
+    );
+    // `full` has a pool without a free function.
+    let full_config = pki.peer_table("full", Some(full_port), &[("src", "source", 0)]);
+    let start = |name: &str, text: &str| {
+        let config = write_config(bed.dir(), name, text);
+        Daemon::start_named(bed.dir(), name, Some(&config))
+            .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
+    };
+    let source = start("source", &source_config);
+    let destination = start("destination", &destination_config);
+    let _full = start("full", &full_config);
+
+    let guests = MoveGuests::start(&bed, "tm").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    guests
+        .start_flow(TAG, "--mode migratable --rate 200")
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+
+    // A wrong certificate: the destination's certificate is not `impostor`'s.
+    let (code, stdout, report) = migrate(
+        &source,
+        &guests,
+        &bed.dir().join("impostor.json"),
+        &["--destination-migrator", "impostor", "--from-pool"],
+    );
+    assert_eq!(code, Some(4), "the move was not rolled back");
+    assert!(stdout.contains("ROLLED BACK"), "{stdout}");
+    assert_eq!(report["failed_phase"], "prepare");
+    let error = report["error"].as_str().unwrap();
+    assert!(
+        error.contains("presented a certificate that is not impostor's"),
+        "{error}"
+    );
+    assert_eq!(phases(&report), ["prepare", "rollback"]);
+
+    // A destination migrator without a free function refuses the reservation.
+    let (code, _, report) = migrate(
+        &source,
+        &guests,
+        &bed.dir().join("full.json"),
+        &["--destination-migrator", "full", "--from-pool"],
+    );
+    assert_eq!(code, Some(4), "the move was not rolled back");
+    assert_eq!(report["failed_phase"], "prepare");
+    let error = report["error"].as_str().unwrap();
+    assert!(
+        error.contains(&format!(
+            "migrator full (127.0.0.1:{full_port}) refused: \
+             no free function in the pool"
+        )),
+        "{error}"
+    );
+    assert_eq!(phases(&report), ["prepare", "rollback"]);
+    assert_eq!(pool_state(&destination, "tap1")["state"], "free");
+
+    // The move, through the destination migrator.
+    let (code, _, report) = migrate(
+        &source,
+        &guests,
+        &bed.dir().join("move.json"),
+        &["--destination-migrator", "dst", "--from-pool"],
+    );
+    let MoveGuests { peer, src, dst } = guests;
+    src.kill();
+    dst.reattach_console().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    stop_traffic(&dst, TAG).unwrap();
+    stop_traffic(&peer, TAG).unwrap();
+    let (mover, peer_report) = match (collect_report(&dst, TAG), collect_report(&peer, TAG)) {
+        (Ok(m), Ok(p)) => (m, p),
+        (m, p) => {
+            dump_logs(&dst);
+            dump_logs(&peer);
+            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
+        }
+    };
+    eprintln!("moved VM: {mover:?}\npeer: {peer_report:?}");
+    assert_eq!(code, Some(0), "the move failed: {report:#}");
+    assert_clean("peer", &peer_report, &mover);
+    assert_clean("moved VM", &mover, &peer_report);
+    // The connection was re-established after the move.
+    assert!(mover.connections_established >= 2, "{mover:?}");
+
+    // Both sides say the move is complete: the source's report, the destination's pool.
+    assert_eq!(report["final_phase"], "done");
+    assert_eq!(report["vm_location"], "destination");
+    assert_eq!(report["function"], "tap1");
+    let details = |phase: &str| {
+        report["timeline"]["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["phase"] == phase)
+            .unwrap()["details"]
+            .clone()
+    };
+    assert_eq!(
+        details("prepare")["destination"],
+        format!("migrator dst (127.0.0.1:{destination_port})").as_str()
+    );
+    assert_eq!(details("attach")["function"], "tap1");
+    assert_eq!(details("resume")["failed"], 0);
+    let state = pool_state(&destination, "tap1");
+    assert_eq!(state["state"], "attached", "{state}");
+    assert_eq!(state["vm"], src.spec().name.as_str(), "{state}");
+    // The traffic kept flowing after the move: more than the 2 s before it.
+    assert!(peer_report.received > 3 * 200, "{peer_report:?}");
+}
