@@ -11,7 +11,9 @@
 //! - **forced paths.** A quiesce the agent does not answer, or that some connections fail
 //!   (the peer did not acknowledge the PAUSE), is recorded as forced and the move goes on:
 //!   the guest library recovers a connection whose device vanished without a quiesce
-//!   (it waits for its peer and replays). A detach the guest does not complete (a process
+//!   (it waits for its peer and replays); when the agent failed at the quiesce, its silence
+//!   at the resume is forced the same way (each connection reconnects by itself once its
+//!   hold expires). A detach the guest does not complete (a process
 //!   holds its device context) and a migration that stalls pass their deadlines and roll the
 //!   move back (the migration is cancelled first). Every forced path is in the timeline and
 //!   in the report's `forced` list.
@@ -476,6 +478,9 @@ struct Mover {
     /// How the reset of the source's function after the detach went (`None`: not done in
     /// this process, e.g. after a restart).
     source_reset: Option<Result<String, String>>,
+    /// Why the agent failed at the quiesce, when the move went on without it: its silence
+    /// at the resume is then expected, not a failure.
+    agent_lost: Option<String>,
 }
 
 impl Mover {
@@ -510,6 +515,7 @@ impl Mover {
             recovered_from: None,
             function: None,
             source_reset: None,
+            agent_lost: None,
         }
     }
 
@@ -980,6 +986,7 @@ impl Mover {
                     error_chain(&e)
                 );
                 self.agent = None;
+                self.agent_lost = Some(error_chain(&e));
                 self.force(Phase::Quiesce, reason.clone());
                 return Ok(Finished {
                     outcome: PhaseOutcome::Forced { reason },
@@ -1178,10 +1185,31 @@ impl Mover {
         // The guest now runs under the destination VMM; the source's channel is dead.
         self.agent = None;
         let ids = self.ids.clone();
-        let result = self
+        let resumed = self
             .destination()?
             .resume(&self.plan.destination, &ids, deadline)
-            .await?;
+            .await;
+        let result = match resumed {
+            Ok(result) => result,
+            Err(e) => match (&e, &self.agent_lost) {
+                // The move already went on without the agent: every connection is
+                // recovering on its own, as the quiesce's forced path said.
+                (StepError::Agent(_), Some(lost)) => {
+                    let reason = format!(
+                        "the agent did not resume either ({}; at the quiesce: {lost}): the \
+                         connections recover through the library's own path (each reconnects \
+                         by itself once its hold expires)",
+                        error_chain(&e)
+                    );
+                    self.force(Phase::Resume, reason.clone());
+                    return Ok(Finished {
+                        outcome: PhaseOutcome::Forced { reason },
+                        details: Map::new(),
+                    });
+                }
+                _ => return Err(e),
+            },
+        };
         let details = self.record_outcomes(&result, "resumed");
         let failed: Vec<_> = result.failed().collect();
         let lost = (!failed.is_empty()).then(|| connections_lost(&failed, ids.len()));
@@ -1415,6 +1443,23 @@ mod tests {
         assert!(report.forced[0].reason.contains("did not answer quiesce"));
         assert!(matches!(
             report.timeline.phases[1].outcome,
+            PhaseOutcome::Forced { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn an_agent_lost_at_quiesce_and_silent_at_resume_forces_both_and_the_move_is_done() {
+        let bed = Bed::new();
+        bed.host.fail("agent.quiesce", Fault::Timeout);
+        bed.host.fail("agent.resume", Fault::Timeout);
+        let report = bed.run(plan()).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.vm_location, VmLocation::Destination);
+        let forced: Vec<Phase> = report.forced.iter().map(|f| f.phase).collect();
+        assert_eq!(forced, [Phase::Quiesce, Phase::Resume]);
+        assert!(report.forced[1].reason.contains("library's own path"));
+        assert!(matches!(
+            report.timeline.phases[5].outcome,
             PhaseOutcome::Forced { .. }
         ));
     }

@@ -205,9 +205,23 @@ impl MoveGuests {
     /// Starts traffic `tag` both ways between the peer (serving on port 7471) and the
     /// moving VM, with `args` added on both sides, and waits until both are connected.
     pub fn start_flow(&self, tag: &str, args: &str) -> StepResult<()> {
+        self.start_flow_sides(tag, args, args)
+    }
+
+    /// [`MoveGuests::start_flow`] with `peer_args` added on the peer and `mover_args` on
+    /// the moving VM.
+    pub fn start_flow_sides(&self, tag: &str, peer_args: &str, mover_args: &str) -> StepResult<()> {
         let server = format!("{}:7471", self.peer.spec().address());
-        start_traffic(&self.peer, tag, &format!("serve --listen {server} {args}"))?;
-        start_traffic(&self.src, tag, &format!("connect --to {server} {args}"))?;
+        start_traffic(
+            &self.peer,
+            tag,
+            &format!("serve --listen {server} {peer_args}"),
+        )?;
+        start_traffic(
+            &self.src,
+            tag,
+            &format!("connect --to {server} {mover_args}"),
+        )?;
         wait_ready(&self.peer, tag)?;
         wait_ready(&self.src, tag)
     }

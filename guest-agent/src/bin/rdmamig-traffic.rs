@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
 use rdmamig_guest::conn::ConnectOptions;
 use rdmamig_guest::traffic::{self, Mode, OneSidedConfig, Side, TrafficConfig};
-use rdmamig_proto::app::{AgentToApp, AppToAgent};
+use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 
 /// Send numbered messages both ways over an RDMA connection and report what arrived.
@@ -86,6 +86,24 @@ enum Cmd {
         /// The agent's application socket.
         #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
         socket: PathBuf,
+    },
+    /// A slow application, for the test bed: register with the agent like the library does,
+    /// answer Describe and Resume for no connections, and on a Quiesce create --marker and
+    /// never answer, so the agent stays inside its quiesce until its deadline (the window in
+    /// which a test kills it). Ends when the agent closes the socket, or after --max-s.
+    StallQuiesce {
+        /// The agent's socket.
+        #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Created once registered.
+        #[arg(long)]
+        ready_file: PathBuf,
+        /// Created when the quiesce arrives.
+        #[arg(long)]
+        marker: PathBuf,
+        /// Longest life, in seconds.
+        #[arg(long, default_value_t = 120)]
+        max_s: u64,
     },
     /// Send a RESUME for an existing connection with a token of our own (a random one by
     /// default) and print how the listener answered, as JSON: a wrong token must be refused
@@ -178,6 +196,21 @@ fn main() {
             }
             Err(e) => {
                 eprintln!("rdmamig-traffic probe-agent: {e}");
+                1
+            }
+        },
+        Cmd::StallQuiesce {
+            socket,
+            ready_file,
+            marker,
+            max_s,
+        } => match stall_quiesce(&socket, &ready_file, &marker, max_s) {
+            Ok(end) => {
+                eprintln!("rdmamig-traffic stall-quiesce: {end}");
+                0
+            }
+            Err(e) => {
+                eprintln!("rdmamig-traffic stall-quiesce: {e}");
                 1
             }
         },
@@ -382,6 +415,60 @@ fn probe_agent(socket: &std::path::Path) -> Result<String, String> {
         }));
     }
     Ok(serde_json::Value::Array(results).to_string())
+}
+
+/// See [`Cmd::StallQuiesce`]; returns how it ended once registered.
+fn stall_quiesce(
+    socket: &std::path::Path,
+    ready_file: &std::path::Path,
+    marker: &std::path::Path,
+    max_s: u64,
+) -> Result<String, String> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(max_s)))
+        .map_err(|e| e.to_string())?;
+    let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+    let mut send = move |message: &AppToAgent| {
+        writer
+            .write_all(&Frame::encode(message))
+            .map_err(|e| format!("writing to the agent: {e}"))
+    };
+    send(&AppToAgent::Hello {
+        pid: std::process::id(),
+        program: "stall-quiesce".into(),
+    })?;
+    std::fs::write(ready_file, b"").map_err(|e| format!("{}: {e}", ready_file.display()))?;
+    let mut fb = FrameBuffer::new();
+    loop {
+        let request = match read_frame::<AgentToApp>(&mut stream, &mut fb) {
+            Ok(request) => request,
+            Err(e) => return Ok(format!("the agent link ended: {e}")),
+        };
+        let (request, body) = match request {
+            AgentToApp::Describe { request } => (
+                request,
+                AppReply::Connections {
+                    connections: Vec::new(),
+                },
+            ),
+            AgentToApp::Resume { request, .. } => (
+                request,
+                AppReply::Outcomes {
+                    outcomes: Vec::new(),
+                },
+            ),
+            AgentToApp::Refused { reason } => {
+                return Err(format!("the agent refused a message: {reason}"))
+            }
+            AgentToApp::Quiesce { .. } => {
+                std::fs::write(marker, b"").map_err(|e| format!("{}: {e}", marker.display()))?;
+                continue;
+            }
+        };
+        send(&AppToAgent::Reply { request, body })?;
+    }
 }
 
 struct Cleanup(PathBuf);
