@@ -132,6 +132,24 @@ pub fn plug(guest: &Guest, id: &str) -> StepResult<Duration> {
     Ok(started.elapsed())
 }
 
+/// Cuts (`up == false`) or restores `guest`'s network at its tap in the bed's namespace: a
+/// partition the guest cannot see (its NIC keeps its carrier); packets in flight are lost.
+pub fn set_tap(bed: &Testbed, guest: &Guest, up: bool) -> StepResult<()> {
+    let tap = &guest.spec().tap;
+    let state = if up { "up" } else { "down" };
+    let out = Command::new("ip")
+        .args(["-n", bed.netns(), "link", "set", tap, state])
+        .output()?;
+    if !out.status.success() {
+        return Err(format!(
+            "ip link set {tap} {state}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// Checks a report of traffic that must have lost nothing and seen no error.
 pub fn assert_clean(name: &str, r: &Report, sender: &Report) {
     assert_eq!(r.lost, 0, "{name} lost messages: {r:?}");

@@ -9,6 +9,9 @@
 //! right, with no region ever missing or corrupt; at the end nothing may be lost,
 //! duplicated or reordered and neither side may have seen an error.
 //!
+//! A second test cuts the network instead of moving (no quiesce): what the lost link took
+//! must be replayed on the next QP.
+//!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use std::time::{Duration, Instant};
@@ -16,7 +19,7 @@ use std::time::{Duration, Instant};
 use rdmamig_guest::traffic::Progress;
 use rdmamig_testbed::scenario::{migrate_vm, Daemon};
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, stop_traffic, MoveGuests, STEP_TIMEOUT,
+    assert_clean, collect_report, dump_logs, set_tap, stop_traffic, MoveGuests, STEP_TIMEOUT,
 };
 use rdmamig_testbed::{error_chain, Guest, Testbed};
 
@@ -132,6 +135,64 @@ fn run(bed: &Testbed, daemon: &Daemon, s: &mut Slots) -> Result<(), Box<dyn std:
             "{name}: every move reconnects: {r:?}"
         );
     }
+    Ok(())
+}
+
+/// A partition, not a move: the peer's tap goes down for 4 s under one-sided traffic. The
+/// WRITE in flight then fails (retry exceeded) and the link is lost without a quiesce; once
+/// the network is back the connection resumes on a new QP and must post what had not
+/// completed again (a replay), with the new rkeys, and every region must still verify.
+#[test]
+fn operations_a_partition_took_are_replayed_on_the_next_qp() {
+    let bed = Testbed::new("osreplay").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let g = MoveGuests::start(&bed, TAG).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| partition(&bed, &g)));
+    if !matches!(outcome, Ok(Ok(()))) {
+        dump_logs(&g.peer);
+        dump_logs(&g.src);
+    }
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("{e}"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+fn partition(bed: &Testbed, g: &MoveGuests) -> Result<(), Box<dyn std::error::Error>> {
+    g.start_flow(
+        TAG,
+        &format!(
+            "--one-sided --rate 50 --regions {REGIONS} --region-size 4096 \
+             --progress-file /tmp/{TAG}.progress"
+        ),
+    )?;
+    let before = (
+        wait_progress(&g.peer, &Progress::default())?,
+        wait_progress(&g.src, &Progress::default())?,
+    );
+    set_tap(bed, &g.peer, false)?;
+    std::thread::sleep(Duration::from_secs(4));
+    set_tap(bed, &g.peer, true)?;
+    wait_progress(&g.peer, &before.0)?;
+    wait_progress(&g.src, &before.1)?;
+    stop_traffic(&g.peer, TAG)?;
+    stop_traffic(&g.src, TAG)?;
+    let rp = collect_report(&g.peer, TAG)?;
+    let rv = collect_report(&g.src, TAG)?;
+    eprintln!("report peer: {rp:?}\nreport other VM: {rv:?}");
+    assert_clean("peer", &rp, &rv);
+    assert_clean("other VM", &rv, &rp);
+    for (name, r) in [("peer", &rp), ("other VM", &rv)] {
+        assert_eq!(r.regions_bad, 0, "{name} found bad regions: {r:?}");
+        assert!(
+            r.connections_established >= 2 && !r.link_events.is_empty(),
+            "{name}: the partition should have broken the link: {r:?}"
+        );
+    }
+    assert!(
+        rp.onesided_replayed + rv.onesided_replayed > 0,
+        "nothing was replayed: peer {rp:?}, other VM {rv:?}"
+    );
     Ok(())
 }
 
