@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rdmamig_proto::ConnectionId;
-use rdmamig_vmm::{DeviceSpec, Vmm, VmmError};
+use rdmamig_vmm::{DeviceSpec, VmPhase, Vmm, VmmError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
@@ -61,6 +61,13 @@ pub trait DestinationHost: Send + Sync {
         &self,
         endpoint: &Endpoint,
         via: &str,
+        deadline: Duration,
+    ) -> Result<(), StepError>;
+
+    /// Confirms on the destination that the whole VM arrived and runs there.
+    async fn confirm_received(
+        &self,
+        endpoint: &Endpoint,
         deadline: Duration,
     ) -> Result<(), StepError>;
 
@@ -130,6 +137,10 @@ impl LocalDestination {
     }
 }
 
+/// Time a VMM call with its own deadline may overrun it before [`bounded`] ends it (it then
+/// reports its own timeout, which says more).
+const GRACE: Duration = Duration::from_millis(250);
+
 /// Runs `step` under `deadline` (a VMM call that ignores its own deadline still ends).
 async fn bounded<T>(
     deadline: Duration,
@@ -162,15 +173,28 @@ impl DestinationHost for LocalDestination {
     ) -> Result<(), StepError> {
         bounded(deadline, async {
             let vmm = self.vmm(endpoint).await?;
-            let state = vmm.status().await?.state;
-            if state != "inmigrate" {
+            let status = vmm.status().await?;
+            if !matches!(status.phase, VmPhase::Incoming | VmPhase::NoVm) {
                 return Err(StepError::VmState {
                     side: "destination",
-                    state,
-                    expected: "not waiting for a migration (start it with -incoming defer)",
+                    state: status.state,
+                    expected: "not waiting for a migration (start QEMU with -incoming defer, \
+                               Cloud Hypervisor without a VM)",
                 });
             }
             Ok(vmm.prepare_incoming(via).await?)
+        })
+        .await
+    }
+
+    async fn confirm_received(
+        &self,
+        endpoint: &Endpoint,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
+        bounded(deadline + GRACE, async {
+            let vmm = self.vmm(endpoint).await?;
+            Ok(vmm.confirm_received(deadline).await?)
         })
         .await
     }

@@ -15,7 +15,7 @@ use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, ConnectionState, R
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress, MigrationStatus,
-    ProgressFn, VmStatus, Vmm, VmmError,
+    ProgressFn, VmPhase, VmStatus, Vmm, VmmError,
 };
 
 use crate::agent::{AgentError, GuestAgent, Outcomes};
@@ -132,9 +132,17 @@ impl Vmm for FakeVmm {
             Where::Source => state.source_state.clone(),
             Where::Destination => state.destination_state.clone(),
         };
+        let phase = match name.as_str() {
+            "running" => VmPhase::Running,
+            "paused" => VmPhase::Paused,
+            "inmigrate" => VmPhase::Incoming,
+            "postmigrate" => VmPhase::Migrated,
+            _ => VmPhase::Other,
+        };
         Ok(VmStatus {
-            running: name == "running",
+            running: phase == VmPhase::Running,
             state: name,
+            phase,
         })
     }
 
@@ -247,6 +255,17 @@ impl Vmm for FakeVmm {
                 Ok(done)
             }
         }
+    }
+
+    async fn confirm_received(&self, _deadline: Duration) -> Result<(), VmmError> {
+        self.check_alive("confirm the received migration")?;
+        if self.host.call("dst.confirm_received").is_some() {
+            return Err(VmmError::MigrationFailed {
+                status: MigrationStatus::Failed,
+                reason: "not received, on cue".into(),
+            });
+        }
+        Ok(())
     }
 
     async fn cancel_migration(&self) -> Result<(), VmmError> {

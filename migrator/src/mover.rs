@@ -34,7 +34,8 @@ use async_trait::async_trait;
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
-    ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, Vmm, VmmError,
+    ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase, Vmm,
+    VmmError,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -554,7 +555,9 @@ impl Mover {
             // said so: the source VMM knows.
             match self.source_vmm().await {
                 Ok(source) => match source.status().await {
-                    Ok(status) => migrated = status.state == "postmigrate",
+                    Ok(status) => {
+                        migrated = matches!(status.phase, VmPhase::Migrated | VmPhase::NoVm)
+                    }
                     Err(e) => self.warn(format!(
                         "cannot ask the source whether the migration completed: {}",
                         error_chain(&e)
@@ -729,7 +732,15 @@ impl Mover {
         if reached >= Phase::Migrate {
             let source = self.source_vmm().await?;
             if !self.migrated {
-                source.cancel_migration().await?;
+                match source.cancel_migration().await {
+                    Ok(()) => {}
+                    // Cloud Hypervisor cannot cancel: its own timeout limit ends the migration
+                    // (Cancel strategy), which the wait below sees.
+                    Err(e @ VmmError::Unsupported { .. }) => {
+                        self.warn(format!("{}: waiting for the migration to end", e));
+                    }
+                    Err(e) => return Err(e.into()),
+                }
                 // Wait until the migration is over, not just asked to stop: a VMM refuses
                 // hot-plug while a cancelled migration is still winding down. It may also
                 // have completed before the cancel took.
@@ -746,17 +757,17 @@ impl Mover {
                 }
                 let end = Instant::now() + self.plan.deadlines.of(Phase::Rollback);
                 loop {
-                    let state = source.status().await?.state;
-                    match state.as_str() {
-                        "postmigrate" => {
+                    let status = source.status().await?;
+                    match status.phase {
+                        VmPhase::Migrated | VmPhase::NoVm => {
                             self.migrated = true;
                             break;
                         }
-                        "running" | "paused" => break,
+                        VmPhase::Running | VmPhase::Paused => break,
                         _ if Instant::now() >= end => {
                             return Err(StepError::VmState {
                                 side: "source",
-                                state,
+                                state: status.state,
                                 expected: "still migrating after the cancel",
                             })
                         }
@@ -922,15 +933,15 @@ impl Mover {
             self.function = Some((function, attachment));
         }
         let source = self.source_vmm().await?;
-        let state = source.status().await?.state;
-        if matches!(state.as_str(), "inmigrate" | "postmigrate" | "shutdown") {
+        let status = source.status().await?;
+        if !matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
             return Err(StepError::VmState {
                 side: "source",
-                state,
-                expected: "not a VM that can migrate",
+                state: status.state,
+                expected: "not a VM that can migrate (neither running nor paused)",
             });
         }
-        details.insert("source_state".into(), state.into());
+        details.insert("source_state".into(), status.state.into());
         destination
             .prepare_receive(
                 &self.plan.destination,
@@ -1133,10 +1144,20 @@ impl Mover {
                 return Err(e.into());
             }
         };
+        // The source let go of the VM: from here a rollback stops the destination and
+        // resumes the source, whether or not the destination confirms.
         self.migrated = true;
         self.location = VmLocation::Destination;
+        let confirm = Instant::now();
+        self.destination()?
+            .confirm_received(
+                &self.plan.destination,
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
         self.journal.append(&Record::Migrated)?;
         let mut details = Map::new();
+        details.insert("confirm_ms".into(), millis(confirm.elapsed()).into());
         for (key, value) in [
             ("qemu_total_ms", done.total_time_ms),
             ("downtime_ms", done.downtime_ms),
@@ -1528,6 +1549,30 @@ mod tests {
         assert!(
             steps.to_string().contains("destination VMM stopped"),
             "{steps}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_migration_the_destination_did_not_receive_fails_back_to_the_source() {
+        let bed = Bed::new();
+        bed.host.fail("dst.confirm_received", Fault::Refuse);
+        let report = bed.run(plan()).await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Migrate));
+        let state = bed.host.state();
+        assert!(state.destination_gone);
+        assert_eq!(state.source_state, "running");
+        assert!(
+            !state.calls.contains(&"dst.add_device".to_string()),
+            "nothing is plugged into a VM that did not arrive"
+        );
+        assert!(
+            report
+                .error
+                .as_deref()
+                .unwrap_or("")
+                .contains("not received"),
+            "{report:?}"
         );
     }
 

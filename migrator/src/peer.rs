@@ -101,6 +101,11 @@ pub enum PeerCall {
         /// The connections the source listed.
         connections: Vec<ConnectionId>,
     },
+    /// Confirm that the VM arrived and runs (after the source saw the migration complete).
+    ConfirmReceived {
+        /// The destination VMM on that host.
+        endpoint: Endpoint,
+    },
     /// Stop the destination VMM (a rollback after the migration completed).
     Discard {
         /// The destination VMM on that host.
@@ -568,6 +573,10 @@ async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) ->
                 outcomes: result.outcomes,
                 elapsed_ms: result.elapsed_ms,
             }),
+        PeerCall::ConfirmReceived { endpoint } => local
+            .confirm_received(&endpoint, deadline)
+            .await
+            .map(|()| PeerAnswer::Done),
         PeerCall::Discard { endpoint } => local
             .discard(&endpoint, deadline)
             .await
@@ -767,6 +776,20 @@ impl DestinationHost for RemoteDestination {
                 elapsed_ms,
             }),
             _ => Err(self.unexpected("resume")),
+        }
+    }
+
+    async fn confirm_received(
+        &self,
+        endpoint: &Endpoint,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
+        let call = PeerCall::ConfirmReceived {
+            endpoint: endpoint.clone(),
+        };
+        match self.ask(call, deadline).await? {
+            PeerAnswer::Done => Ok(()),
+            _ => Err(self.unexpected("confirm received")),
         }
     }
 

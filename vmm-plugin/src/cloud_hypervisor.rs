@@ -16,7 +16,10 @@
 //!   the deadline passing ([`VmmError::TimedOut`]), never as success.
 //! - `vm.receive-migration` answers only when the migration has ended (204, or 500 with
 //!   the chain). [`Vmm::prepare_incoming`] sends it from a task;
-//!   [`ChVmm::wait_received`] is the receiver's own confirmation.
+//!   [`Vmm::confirm_received`] waits for that answer (the receiver's own confirmation),
+//!   then for `vm.info` to show the VM running.
+//! - A VMM without a VM answers `vm.info` with 404: [`Vmm::status`] reports it as
+//!   [`VmPhase::NoVm`] (a destination ready to receive, or a source whose VM left).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -31,7 +34,10 @@ use tokio::task::JoinHandle;
 use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request};
 use crate::ch_events::{self, EventReader};
 use crate::{vsock, AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
-use crate::{MigrationStatus, ProgressFn, VmStatus, Vmm, VmmError};
+use crate::{MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError};
+
+/// [`VmStatus::state`] of a Cloud Hypervisor that holds no VM (`vm.info` answers 404).
+pub const NO_VM: &str = "no VM";
 
 /// The guest agent's vsock port when none is configured (`rdmamig-agent --vsock-port`).
 pub const DEFAULT_AGENT_PORT: u32 = 7077;
@@ -272,10 +278,27 @@ fn is_bdf(text: &str) -> bool {
 #[async_trait]
 impl Vmm for ChVmm {
     async fn status(&self) -> Result<VmStatus, VmmError> {
-        let info = self.info("query the VM").await?;
+        let info = match self.info("query the VM").await {
+            Ok(info) => info,
+            // The VMM runs without a VM: none created or received yet, or it left.
+            Err(VmmError::NotFound { .. }) => {
+                return Ok(VmStatus {
+                    running: false,
+                    state: NO_VM.into(),
+                    phase: VmPhase::NoVm,
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        let phase = match info.state.as_str() {
+            "Running" => VmPhase::Running,
+            "Paused" => VmPhase::Paused,
+            _ => VmPhase::Other,
+        };
         Ok(VmStatus {
-            running: info.state == "Running",
+            running: phase == VmPhase::Running,
             state: info.state,
+            phase,
         })
     }
 
@@ -493,6 +516,39 @@ impl Vmm for ChVmm {
                 return Err(VmmError::TimedOut {
                     operation: "migration",
                     deadline_ms: millis(deadline),
+                });
+            }
+            let left = deadline.saturating_sub(start.elapsed());
+            tokio::time::sleep(self.config.poll_interval.min(left)).await;
+        }
+    }
+
+    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError> {
+        let start = Instant::now();
+        let in_flight = self.receiving.lock().await.is_some();
+        if in_flight {
+            // This session sent the receive request: its answer is the receiver's word.
+            self.wait_received(deadline).await?;
+        }
+        // Without one (another session or migrator sent it), and to see the VM is there
+        // after the answer: running, or paused if it was paused at the source.
+        loop {
+            let status = self.status().await?;
+            if matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
+                return Ok(());
+            }
+            if start.elapsed() >= deadline {
+                return Err(if status.phase == VmPhase::NoVm {
+                    VmmError::MigrationFailed {
+                        status: MigrationStatus::Failed,
+                        reason: "the destination has no VM: it did not receive the migration"
+                            .into(),
+                    }
+                } else {
+                    VmmError::TimedOut {
+                        operation: "confirm the received migration",
+                        deadline_ms: millis(deadline),
+                    }
                 });
             }
             let left = deadline.saturating_sub(start.elapsed());

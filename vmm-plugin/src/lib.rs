@@ -53,8 +53,30 @@ pub struct VmStatus {
     /// Whether the guest's vCPUs run.
     pub running: bool,
     /// The VMM's own name for the state (QEMU: `running`, `paused`, `prelaunch`,
-    /// `inmigrate`, `postmigrate`, ...).
+    /// `inmigrate`, `postmigrate`, ...; Cloud Hypervisor: `Running`, `Paused`, `Created`,
+    /// `Shutdown`, or `no VM`).
     pub state: String,
+    /// What the state means for a move, whatever the VMM calls it.
+    pub phase: VmPhase,
+}
+
+/// Where a VM stands as far as a live migration is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmPhase {
+    /// The guest runs here.
+    Running,
+    /// The VM is here with its vCPUs stopped.
+    Paused,
+    /// The VMM waits for the VM to arrive (QEMU `inmigrate`).
+    Incoming,
+    /// The VM left with a completed migration (QEMU `postmigrate`).
+    Migrated,
+    /// The VMM holds no VM (Cloud Hypervisor before a VM is created or received, and after
+    /// it left): at a destination it can receive one, at a source the VM has gone.
+    NoVm,
+    /// Anything else: shut down, crashed, created but not booted, a migration in progress.
+    Other,
 }
 
 /// A device the VMM plugged.
@@ -113,6 +135,12 @@ pub trait Vmm: Send + Sync {
         deadline: Duration,
         progress: ProgressFn<'_>,
     ) -> Result<MigrationProgress, VmmError>;
+
+    /// Confirms that this (destination) VMM received the whole VM and holds it (in the run
+    /// state it had at the source); waits up to
+    /// `deadline` for it to get there. A migration the destination did not receive is
+    /// [`VmmError::MigrationFailed`], however the source saw it end.
+    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError>;
 
     /// Cancels the outgoing migration.
     async fn cancel_migration(&self) -> Result<(), VmmError>;

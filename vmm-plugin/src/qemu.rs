@@ -19,7 +19,7 @@ use tokio::net::UnixStream;
 use crate::qmp::{QmpClient, QmpError};
 use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
 use crate::{MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
-use crate::{VmStatus, VmmError};
+use crate::{VmPhase, VmStatus, VmmError};
 
 /// How to reach one QEMU process.
 #[derive(Debug, Clone)]
@@ -230,6 +230,17 @@ fn find_pci(devices: &Value, id: &str) -> Option<(u64, u64, u64)> {
     })
 }
 
+/// What a `query-status` state means for a move.
+fn qemu_phase(state: &str) -> VmPhase {
+    match state {
+        "running" => VmPhase::Running,
+        "paused" => VmPhase::Paused,
+        "inmigrate" => VmPhase::Incoming,
+        "postmigrate" => VmPhase::Migrated,
+        _ => VmPhase::Other,
+    }
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -244,6 +255,7 @@ impl Vmm for QemuVmm {
             (Some(state), Some(running)) => Ok(VmStatus {
                 running,
                 state: state.into(),
+                phase: qemu_phase(state),
             }),
             _ => Err(VmmError::Protocol {
                 operation: "query status",
@@ -425,6 +437,40 @@ impl Vmm for QemuVmm {
             if Instant::now() >= end {
                 return Err(VmmError::TimedOut {
                     operation: "migration",
+                    deadline_ms: millis(deadline),
+                });
+            }
+            tokio::time::sleep(self.config.poll_interval.min(end - Instant::now())).await;
+        }
+    }
+
+    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError> {
+        // The destination's own view: its incoming migration did not fail and the VM is
+        // there; it leaves `inmigrate` a moment after the source saw `completed`.
+        let end = Instant::now() + deadline;
+        loop {
+            let incoming = self.query_migrate().await?;
+            if matches!(
+                incoming.status,
+                MigrationStatus::Failed | MigrationStatus::Cancelled
+            ) {
+                return Err(VmmError::MigrationFailed {
+                    reason: incoming
+                        .error
+                        .unwrap_or_else(|| "the destination did not receive the VM".into()),
+                    status: incoming.status,
+                });
+            }
+            let status = self.status().await?;
+            // QEMU leaves `inmigrate` only once the incoming state is loaded, for the run
+            // state the source had (`running`, `paused`, or `prelaunch` for a VM never
+            // started); it may then forget the incoming migration (query-migrate: nothing).
+            if status.phase != VmPhase::Incoming {
+                return Ok(());
+            }
+            if Instant::now() >= end {
+                return Err(VmmError::TimedOut {
+                    operation: "confirm the received migration",
                     deadline_ms: millis(deadline),
                 });
             }

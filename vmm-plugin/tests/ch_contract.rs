@@ -25,7 +25,8 @@ use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
 use rdmamig_vmm::{
-    ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, TimeoutStrategy, Vmm, VmmError,
+    ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, TimeoutStrategy, VmPhase, Vmm,
+    VmmError,
 };
 use serde_json::{json, Map, Value};
 use tokio::net::UnixListener;
@@ -859,6 +860,63 @@ async fn a_failed_receive_carries_the_chain() {
         matches!(&err, VmmError::MigrationFailed { reason, .. } if reason.ends_with("Socket error: failed to fill whole buffer")),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn the_receiver_confirms_a_received_migration_and_an_empty_vmm_is_no_vm() {
+    let arrived = Arc::new(Mutex::new(false));
+    let flag = arrived.clone();
+    let fake = FakeCh::start(move |path, body| match path {
+        "/vm.info" if *flag.lock().unwrap() => (200, vm_info("Running", &[])),
+        "/vm.info" => (404, spec_body(Endpoint::VmInfo, 404)),
+        "/vm.receive-migration" => {
+            *flag.lock().unwrap() = true;
+            successful(path, body)
+        }
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let empty = vmm.status().await.unwrap();
+    assert_eq!(empty.phase, VmPhase::NoVm, "{empty:?}");
+    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.confirm_received(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(vmm.status().await.unwrap().phase, VmPhase::Running);
+    check_against_spec(&fake.recorded());
+}
+
+#[tokio::test]
+async fn a_migration_the_receiver_failed_or_never_got_is_not_confirmed() {
+    let fake = FakeCh::start(|path, body| {
+        match path {
+        "/vm.receive-migration" => (
+            500,
+            br#"["Error from API","Error receiving migration","Socket error","failed to fill whole buffer"]"#.to_vec(),
+        ),
+        "/vm.info" => (404, spec_body(Endpoint::VmInfo, 404)),
+        _ => successful(path, body),
+    }
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    let err = vmm
+        .confirm_received(Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::MigrationFailed { reason, .. } if reason.contains("Socket error")),
+        "{err}"
+    );
+    // A session that did not send the receive request (another migrator did) sees no VM.
+    let other = ChVmm::connect(fake.config()).await.unwrap();
+    let err = other
+        .confirm_received(Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::MigrationFailed { reason, .. } if reason.contains("no VM")),
+        "{err}"
+    );
+    check_against_spec(&fake.recorded());
 }
 
 #[tokio::test]

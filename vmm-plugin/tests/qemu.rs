@@ -256,6 +256,11 @@ async fn migrates_between_two_processes_with_progress() {
     assert!(done.ram_total.unwrap() >= 128 << 20);
     assert!(done.total_time_ms.is_some() && done.downtime_ms.is_some());
     assert_eq!(src.status().await.unwrap().state, "postmigrate");
+    // The destination's own word: it received the VM (not started, as at the source).
+    dst.confirm_received(Duration::from_secs(10)).await.unwrap();
+    let arrived = dst.status().await.unwrap();
+    assert_eq!(arrived.state, "prelaunch", "{arrived:?}");
+    assert!(!arrived.running);
 
     // The destination owns the VM now and takes a new device.
     let nic = DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap();
@@ -304,6 +309,13 @@ async fn a_cancelled_migration_is_an_error_and_the_source_keeps_the_vm() {
         src.status().await.unwrap().state.as_str(),
         "postmigrate"
     ));
+    // The destination never got the VM: it does not confirm (its incoming migration failed
+    // and QEMU exits, or it still waits).
+    let refused = dst
+        .confirm_received(Duration::from_secs(2))
+        .await
+        .expect_err("a cancelled migration is not received");
+    eprintln!("destination after the cancel: {refused}");
 }
 
 #[tokio::test]
