@@ -300,7 +300,7 @@ pub enum ConnError {
     OneSidedTimedOut {
         /// The connection.
         id: ConnectionId,
-        /// flush_writes or read.
+        /// write (no room in the queue within send_timeout), read or flush_writes.
         op: &'static str,
         /// The deadline.
         after: Duration,

@@ -372,7 +372,8 @@ impl Connection {
     }
 
     /// Queues an RDMA WRITE of `data` into the peer's buffer at `offset` and returns; waits
-    /// up to `send_timeout` while `max_outbox` operations are queued. Larger writes are
+    /// up to `send_timeout` while `max_outbox` operations are queued
+    /// ([`ConnError::OneSidedTimedOut`] naming `write` after that). Larger writes are
     /// split into `max_message`-sized WRITEs. [`Connection::flush_writes`] waits until they
     /// are done; a message sent after that is delivered after the data is in place.
     pub fn write(&self, to: &RemoteBuffer, offset: u64, data: &[u8]) -> Result<(), ConnError> {
@@ -380,7 +381,7 @@ impl Connection {
         let chunk = self.shared.opts.max_message.max(1);
         let deadline = Instant::now() + self.shared.opts.send_timeout;
         for (i, part) in data.chunks(chunk).enumerate() {
-            let mut st = self.room_for_op(deadline)?;
+            let mut st = self.room_for_op("write", deadline)?;
             let at = offset + (i * chunk) as u64;
             st.onesided
                 .ops
@@ -407,7 +408,7 @@ impl Connection {
         }
         let deadline = Instant::now() + timeout;
         let (tx, rx) = mpsc::channel();
-        let mut st = self.room_for_op(deadline)?;
+        let mut st = self.room_for_op("read", deadline)?;
         st.onesided
             .ops
             .push(from.handle, offset, OpKind::Read(len, tx));
@@ -481,23 +482,25 @@ impl Connection {
         Ok(())
     }
 
-    /// Waits until the operation queue has room (bounded by `deadline`).
+    /// Waits until the operation queue has room for `op` (bounded by `deadline`).
     fn room_for_op(
         &self,
+        op: &'static str,
         deadline: Instant,
     ) -> Result<std::sync::MutexGuard<'_, State>, ConnError> {
         let mut st = self.shared.lock();
         loop {
-            self.check_usable(&st, "write")?;
+            self.check_usable(&st, op)?;
             if st.onesided.ops.len() < self.shared.opts.max_outbox {
                 return Ok(st);
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(ConnError::SendTimedOut {
+                return Err(ConnError::OneSidedTimedOut {
                     id: self.shared.id,
+                    op,
                     after: self.shared.opts.send_timeout,
-                    queued: st.onesided.ops.len(),
+                    pending: st.onesided.ops.len(),
                 });
             }
             st = self.wait(st, deadline - now);
