@@ -194,13 +194,32 @@ impl Daemon {
         name: &str,
         config: Option<&Path>,
     ) -> Result<Daemon, ScenarioError> {
+        Daemon::spawn(dir, name, config, None)
+    }
+
+    /// Starts `rdmamig daemon` like [`Daemon::start`], told to abort once it has journaled
+    /// the phase `crash_at` (`RDMAMIG_CRASH_AT`: a migrator killed at that boundary). A
+    /// daemon started again in `dir` finds the journal and the same state.
+    pub fn start_crashing(dir: &Path, crash_at: &str) -> Result<Daemon, ScenarioError> {
+        Daemon::spawn(dir, "rdmamig", None, Some(crash_at))
+    }
+
+    fn spawn(
+        dir: &Path,
+        name: &str,
+        config: Option<&Path>,
+        crash_at: Option<&str>,
+    ) -> Result<Daemon, ScenarioError> {
         let socket = dir.join(format!("{name}.sock"));
-        let log =
-            std::fs::File::create(dir.join(format!("{name}-daemon.log"))).map_err(|source| {
-                ScenarioError::Spawn {
-                    program: "rdmamig daemon".into(),
-                    source,
-                }
+        // A killed daemon leaves its socket file behind: wait for the new one.
+        let _ = std::fs::remove_file(&socket);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("{name}-daemon.log")))
+            .map_err(|source| ScenarioError::Spawn {
+                program: "rdmamig daemon".into(),
+                source,
             })?;
         let mut command = Command::new(crate::bin_dir().join("rdmamig"));
         command
@@ -208,11 +227,15 @@ impl Daemon {
             .arg(&socket)
             .arg("--state-dir")
             .arg(dir.join(format!("{name}-state")))
+            .env_remove("RDMAMIG_CRASH_AT")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("cloning a file handle"))
             .stderr(log);
         if let Some(config) = config {
             command.arg("--config").arg(config);
+        }
+        if let Some(phase) = crash_at {
+            command.env("RDMAMIG_CRASH_AT", phase);
         }
         let child = command.spawn().map_err(|source| ScenarioError::Spawn {
             program: "rdmamig daemon".into(),
@@ -236,6 +259,19 @@ impl Daemon {
     /// The daemon's socket.
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// Waits (at most `timeout`) for the daemon to exit by itself; returns whether it did,
+    /// and whether it exited successfully.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<bool> {
+        let end = Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status.success()),
+                Ok(None) if Instant::now() < end => std::thread::sleep(Duration::from_millis(20)),
+                _ => return None,
+            }
+        }
     }
 }
 
