@@ -9,23 +9,27 @@
 //!   down, so usually not: the holder must go, and the NIC with it).
 //! - `post-migrate` (on the destination, after the migration): the new NIC is hot-plugged
 //!   and the agent resumes every connection on it.
-//! - `migrate` (in place of `ch-remote send-migration <destination_url>`): the whole
-//!   coordinated move, through the rdmamig daemon (`rdmamig migrate`), with the same
-//!   destination argument.
+//! - `migrate` (in place of `ch-remote send-migration [--local] <destination_url>`): the
+//!   whole coordinated move, through the rdmamig daemon (`rdmamig migrate`), with the same
+//!   destination arguments and the migration's limits; the destination VMM is named with
+//!   `--to-api-socket` (Cloud Hypervisor) or `--to-qmp` (QEMU).
 //!
-//! The hooks talk to the VMM through the plugin's `Vmm` trait (QEMU: `--qmp`; Cloud
-//! Hypervisor: `--api-socket`) and to the agent through the VMM's channel (virtio-serial:
-//! `--agent`; hybrid vsock: `--vsock`). Each prints one JSON line saying what it did.
+//! Every command names the VM's VMM and agent channel the same way as `rdmamig migrate`
+//! (QEMU: `--qmp` and virtio-serial `--agent`; Cloud Hypervisor: `--api-socket` and hybrid
+//! vsock `--vsock`), reached through the migrator's own backends. Each hook prints one JSON
+//! line saying what it did.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
-use rdmamig_migrator::mover::error_chain;
+use rdmamig_migrator::mover::{error_chain, Backends, VmmBackends};
+use rdmamig_migrator::plan::EndpointFlags;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
-use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, QemuConfig, QemuVmm, Vmm};
+use rdmamig_vmm::{DeviceSpec, TimeoutStrategy, Vmm};
 use serde_json::{json, Value};
 
 #[derive(Parser)]
@@ -44,6 +48,12 @@ rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock pre-migra
 ch-remote --api-socket /run/vm1/api.sock send-migration unix:/run/vm1/mig.sock\n  \
 rdmamig-vmm --api-socket /run/vm1-dst/api.sock --vsock /run/vm1-dst/vsock.sock post-migrate \\\n    \
 --attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'\n\n\
+Or the whole move in one command through the rdmamig daemon, in place of \
+`ch-remote --api-socket /run/vm1/api.sock send-migration tcp:dst-host:6000`:\n  \
+rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock \\\n    \
+--event-monitor /run/vm1/events.json migrate tcp:dst-host:6000 \\\n    \
+--to-api-socket /run/vm1-dst/api.sock --to-vsock /run/vm1-dst/vsock.sock \\\n    \
+--vm vm1 --detach vf0 --attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'\n\n\
 Exit status: 0 done, 1 failed (the JSON line and stderr say why), 2 usage."
 )]
 struct Cli {
@@ -70,6 +80,24 @@ struct VmmArgs {
     /// The agent's vsock port in the guest.
     #[arg(long, global = true, default_value_t = DEFAULT_AGENT_PORT)]
     agent_port: u32,
+    /// Cloud Hypervisor's --event-monitor file (migrate: how the migration's outcome is
+    /// known at once).
+    #[arg(long, global = true)]
+    event_monitor: Option<PathBuf>,
+}
+
+impl VmmArgs {
+    /// The endpoint the flags name (the same rules as `rdmamig migrate`).
+    fn flags(&self) -> EndpointFlags {
+        EndpointFlags {
+            qmp: self.qmp.clone(),
+            api_socket: self.api_socket.clone(),
+            agent: self.agent.clone(),
+            vsock: self.vsock.clone(),
+            event_monitor: self.event_monitor.clone(),
+            agent_port: self.agent_port,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -97,7 +125,7 @@ enum Command {
         resume_ms: u64,
     },
     /// The whole coordinated move through the rdmamig daemon, in place of
-    /// `ch-remote send-migration <destination_url>` (QEMU endpoints).
+    /// `ch-remote send-migration [--local] <destination_url>`.
     Migrate(Box<MigrateArgs>),
 }
 
@@ -105,9 +133,33 @@ enum Command {
 struct MigrateArgs {
     /// Where the migration stream goes: unix:PATH or tcp:HOST:PORT (as ch-remote takes it).
     destination_url: String,
-    /// The longest the migration may take, in seconds (the migrate phase's deadline).
+    /// Same-host migration, memory handed over as file descriptors (ch-remote's --local;
+    /// Cloud Hypervisor only).
+    #[arg(long)]
+    local: bool,
+    /// The longest stop-and-copy, ms (the API's downtime_ms; VMM default 300).
+    #[arg(long)]
+    downtime_ms: Option<u64>,
+    /// The longest the migration may take, s (the API's timeout_s); the move's migrate
+    /// deadline is set 10 s past it.
     #[arg(long)]
     migration_timeout_s: Option<u64>,
+    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back)
+    /// or ignore (finish whatever the downtime).
+    #[arg(long, default_value_t = TimeoutStrategy::Cancel)]
+    timeout_strategy: TimeoutStrategy,
+    /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_api_socket: Option<PathBuf>,
+    /// Cloud Hypervisor destination: the VM's hybrid vsock socket there.
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_vsock: Option<PathBuf>,
+    /// QEMU destination: its QMP socket (QEMU started with -incoming defer).
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_qmp: Option<PathBuf>,
+    /// QEMU destination: the agent's virtio-serial socket there.
+    #[arg(long, help_heading = "Destination VMM (one of)")]
+    to_agent: Option<PathBuf>,
     /// The daemon's socket.
     #[arg(
         long,
@@ -121,12 +173,6 @@ struct MigrateArgs {
     /// The NIC to unplug on the source.
     #[arg(long)]
     detach: String,
-    /// The destination QEMU's QMP socket (started with -incoming defer).
-    #[arg(long)]
-    to_qmp: PathBuf,
-    /// The destination's agent socket.
-    #[arg(long)]
-    to_agent: PathBuf,
     /// The NIC to plug on the destination (device properties).
     #[arg(long)]
     attach: String,
@@ -137,6 +183,10 @@ struct MigrateArgs {
     #[arg(long, default_value = "rdmamig")]
     rdmamig: PathBuf,
 }
+
+/// How far past the migration's own timeout the move's migrate deadline lies: the VMM's
+/// timeout strategy decides, not the deadline.
+const DEADLINE_PAST_TIMEOUT_S: u64 = 10;
 
 /// How long a failed pre-migrate tries to resume the connections on the source.
 const RESUME_ON_SOURCE: Duration = Duration::from_secs(3);
@@ -233,39 +283,15 @@ fn main() -> ExitCode {
     }
 }
 
-async fn connect(args: &VmmArgs) -> Result<Box<dyn Vmm>, Failure> {
-    match (&args.qmp, &args.api_socket) {
-        (Some(qmp), None) => {
-            if args.vsock.is_some() {
-                return Err(usage(
-                    "with --qmp the agent is reached over virtio-serial (--agent)",
-                ));
-            }
-            let mut config = QemuConfig::new(qmp);
-            config.agent.clone_from(&args.agent);
-            QemuVmm::connect(config)
-                .await
-                .map(|vmm| Box::new(vmm) as Box<dyn Vmm>)
-                .map_err(|e| failed(error_chain(&e), Value::Null))
-        }
-        (None, Some(api)) => {
-            if args.agent.is_some() {
-                return Err(usage(
-                    "with --api-socket the agent is reached over hybrid vsock (--vsock)",
-                ));
-            }
-            let mut config = ChConfig::new(api);
-            config.vsock.clone_from(&args.vsock);
-            config.agent_port = args.agent_port;
-            ChVmm::connect(config)
-                .await
-                .map(|vmm| Box::new(vmm) as Box<dyn Vmm>)
-                .map_err(|e| failed(error_chain(&e), Value::Null))
-        }
-        _ => Err(usage(
-            "give the VMM: --qmp PATH (QEMU) or --api-socket PATH (Cloud Hypervisor)",
-        )),
-    }
+async fn connect(args: &VmmArgs) -> Result<Arc<dyn Vmm>, Failure> {
+    let endpoint = args
+        .flags()
+        .endpoint("VM")
+        .map_err(|e| usage(e.to_string()))?;
+    VmmBackends
+        .connect(&endpoint)
+        .await
+        .map_err(|e| failed(error_chain(&e), Value::Null))
 }
 
 async fn agent(vmm: &dyn Vmm, budget: Duration) -> Result<AgentClient, Failure> {
@@ -394,41 +420,76 @@ async fn post_migrate(
 /// Runs `rdmamig migrate` with the plan the wrapper's arguments describe; its exit status
 /// is the wrapper's.
 fn migrate(vmm: &VmmArgs, args: MigrateArgs) -> ExitCode {
-    let (Some(qmp), None) = (&vmm.qmp, &vmm.api_socket) else {
-        eprintln!(
-            "rdmamig-vmm migrate: the rdmamig daemon moves QEMU VMs (--qmp); for Cloud \
-             Hypervisor run the pre-migrate and post-migrate hooks around \
-             `ch-remote send-migration`"
-        );
-        return ExitCode::from(2);
+    let destination = EndpointFlags {
+        qmp: args.to_qmp.clone(),
+        api_socket: args.to_api_socket.clone(),
+        agent: args.to_agent.clone(),
+        vsock: args.to_vsock.clone(),
+        event_monitor: None,
+        agent_port: vmm.agent_port,
     };
-    let Some(agent) = &vmm.agent else {
-        eprintln!("rdmamig-vmm migrate: the coordinated move needs the source agent (--agent)");
-        return ExitCode::from(2);
-    };
+    for (side, flags) in [("source", vmm.flags()), ("destination", destination)] {
+        match flags.endpoint(side) {
+            Ok(endpoint) if endpoint.has_agent() => {}
+            Ok(_) => {
+                eprintln!(
+                    "rdmamig-vmm migrate: the coordinated move needs the {side} agent channel \
+                     (QEMU: --agent / --to-agent; Cloud Hypervisor: --vsock / --to-vsock)"
+                );
+                return ExitCode::from(2);
+            }
+            Err(e) => {
+                eprintln!("rdmamig-vmm migrate: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let mut command = std::process::Command::new(&args.rdmamig);
     command
         .arg("migrate")
         .arg("--socket")
         .arg(&args.socket)
         .args(["--vm", &args.vm, "--strategy", "reconnect"])
-        .arg("--qmp")
-        .arg(qmp)
-        .arg("--agent")
-        .arg(agent)
-        .args(["--detach", &args.detach])
-        .arg("--to-qmp")
-        .arg(&args.to_qmp)
-        .arg("--to-agent")
-        .arg(&args.to_agent)
-        .args(["--attach", &args.attach, "--via", &args.destination_url]);
+        .args(["--detach", &args.detach, "--attach", &args.attach])
+        .args(["--via", &args.destination_url])
+        .arg("--agent-port")
+        .arg(vmm.agent_port.to_string())
+        .arg("--timeout-strategy")
+        .arg(args.timeout_strategy.to_string());
+    let paths = [
+        ("--qmp", &vmm.qmp),
+        ("--agent", &vmm.agent),
+        ("--api-socket", &vmm.api_socket),
+        ("--vsock", &vmm.vsock),
+        ("--event-monitor", &vmm.event_monitor),
+        ("--to-qmp", &args.to_qmp),
+        ("--to-agent", &args.to_agent),
+        ("--to-api-socket", &args.to_api_socket),
+        ("--to-vsock", &args.to_vsock),
+        ("--report", &args.report),
+    ];
+    for (flag, path) in paths {
+        if let Some(path) = path {
+            command.arg(flag).arg(path);
+        }
+    }
+    if args.local {
+        command.arg("--local");
+    }
+    if let Some(ms) = args.downtime_ms {
+        command.arg("--downtime-ms").arg(ms.to_string());
+    }
     if let Some(timeout) = args.migration_timeout_s {
         command
+            .arg("--migration-timeout-s")
+            .arg(timeout.to_string())
             .arg("--deadline")
-            .arg(format!("migrate={}", timeout.saturating_mul(1000)));
-    }
-    if let Some(report) = &args.report {
-        command.arg("--report").arg(report);
+            .arg(format!(
+                "migrate={}",
+                timeout
+                    .saturating_add(DEADLINE_PAST_TIMEOUT_S)
+                    .saturating_mul(1000)
+            ));
     }
     match command.status() {
         Ok(status) => match status.code() {
