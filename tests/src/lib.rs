@@ -2,6 +2,8 @@
 //! TCG guests, on a machine without RDMA hardware (see `../shared/TESTBED.md` and
 //! `docs/testbed.md`).
 //!
+//! - [`ch_spec`]: Cloud Hypervisor's API spec as an oracle, and a spec-checked stand-in
+//!   for its API socket.
 //! - [`testbed`]: the fixture: a network namespace with a bridge, taps, the guest image, and
 //!   cleanup of everything in `Drop`.
 //! - [`guest`]: one QEMU guest: command line, process, sockets, console commands.
@@ -24,6 +26,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod ch_spec;
 pub mod console;
 pub mod guest;
 pub mod netns;

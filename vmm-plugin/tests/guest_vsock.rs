@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{AgentCommand, AgentRequest, AgentResponse, AgentResult};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+use rdmamig_testbed::ch_spec::{check_against_spec, successful, FakeCh};
 use rdmamig_testbed::{error_chain, GuestBinaries, Testbed};
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::vsock::{self, VsockError};
-use rdmamig_vmm::{ChConfig, ChVmm, QemuConfig, QemuVmm, Vmm};
+use rdmamig_vmm::{ChVmm, QemuConfig, QemuVmm, Vmm};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -32,40 +33,6 @@ fn the_agent_answers_over_hybrid_vsock() {
     if let Err(e) = scenario(&tb) {
         panic!("{}", error_chain(&*e));
     }
-}
-
-/// A Cloud Hypervisor API socket that answers `vmm.ping` only (the backend pings on
-/// connect); the agent channel under test is the real vsock.
-fn ping_only_api(
-    dir: &std::path::Path,
-) -> std::io::Result<(std::path::PathBuf, tokio::task::JoinHandle<()>)> {
-    use http_body_util::Full;
-    use hyper::body::Bytes;
-    let socket = dir.join("ch-api.sock");
-    let listener = tokio::net::UnixListener::bind(&socket)?;
-    let task = tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    |request: hyper::Request<hyper::body::Incoming>| async move {
-                        let (status, body) = if request.uri().path() == "/api/v1/vmm.ping" {
-                            (200, r#"{"version":"54.0.0"}"#)
-                        } else {
-                            (404, r#"["not in this fake"]"#)
-                        };
-                        let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
-                        *response.status_mut() =
-                            hyper::StatusCode::from_u16(status).expect("status");
-                        Ok::<_, hyper::Error>(response)
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    Ok((socket, task))
 }
 
 async fn ping(
@@ -136,8 +103,10 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
         assert_eq!(ping(&mut second, 9).await?.id, 9);
 
         // The Cloud Hypervisor backend's own agent channel, through the same socket.
-        let (api, server) = ping_only_api(guest.dir())?;
-        let mut config = ChConfig::new(api);
+        // The API is the spec-checked stand-in (the backend pings on connect); the agent
+        // channel under test is the real vsock.
+        let api = FakeCh::start(successful);
+        let mut config = api.config();
         config.vsock = Some(socket.clone());
         let ch = ChVmm::connect(config).await?;
         let mut channel = ch.open_agent_channel().await?;
@@ -164,7 +133,8 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
             "{answer:?}"
         );
         drop(channel);
-        server.abort();
+        check_against_spec(&api.recorded());
+        drop(api);
 
         // Nothing listens on this port in the guest.
         let start = Instant::now();
