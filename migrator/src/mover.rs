@@ -1159,7 +1159,7 @@ impl Mover {
         let mut details = Map::new();
         details.insert("confirm_ms".into(), millis(confirm.elapsed()).into());
         for (key, value) in [
-            ("qemu_total_ms", done.total_time_ms),
+            ("vmm_total_ms", done.total_time_ms),
             ("downtime_ms", done.downtime_ms),
             ("setup_ms", done.setup_time_ms),
             ("ram_transferred", done.ram_transferred),
