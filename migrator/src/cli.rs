@@ -321,11 +321,13 @@ pub fn render_event(event: &MoveEvent) -> String {
 pub fn render_report(report: &MoveReport) -> String {
     let start = report.timeline.started_unix_ms;
     let mut text = String::new();
-    let _ = writeln!(
-        text,
-        "\nmove of {} ({} strategy), timeline:",
-        report.plan.vm, report.plan.strategy
-    );
+    let strategy = match &report.chosen {
+        Some(choice) if choice.strategy != report.plan.strategy => {
+            format!("{} strategy: {}", report.plan.strategy, choice.strategy)
+        }
+        _ => format!("{} strategy", report.plan.strategy),
+    };
+    let _ = writeln!(text, "\nmove of {} ({strategy}), timeline:", report.plan.vm);
     let _ = writeln!(
         text,
         "  {:<8} {:>9} {:>11} {:>10}  {:<8} details",
@@ -360,6 +362,13 @@ pub fn render_report(report: &MoveReport) -> String {
         VmLocation::Source => "the VM is on the source",
         VmLocation::Destination => "the VM is on the destination",
     };
+    if let Some(choice) = report
+        .chosen
+        .as_ref()
+        .filter(|c| c.strategy != report.plan.strategy)
+    {
+        let _ = writeln!(text, "strategy: {}", choice.reason);
+    }
     for forced in &report.forced {
         let _ = writeln!(text, "forced path in {}: {}", forced.phase, forced.reason);
     }
@@ -508,6 +517,7 @@ mod tests {
             forced: vec![],
             recovered_from: None,
             function: None,
+            chosen: None,
             error: Some("phase detach missed its deadline of 5000 ms: the guest did not release device nic0".into()),
             vm_location: VmLocation::Source,
             timeline: Timeline {

@@ -36,6 +36,7 @@ use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveR
 use crate::peer::Destination;
 use crate::plan::MovePlan;
 use crate::retention::{self, Retention};
+use crate::strategy::choose_for;
 use crate::timeline::unix_ms;
 
 /// Time a client has to send its request after connecting.
@@ -504,6 +505,10 @@ fn load_report(dir: &Path, id: &str) -> Result<MoveReport, String> {
 
 async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Arc<Shared>) {
     if let Err(e) = plan.validate() {
+        reject(&mut channel, format!("the plan cannot run: {e}")).await;
+        return;
+    }
+    if let Err(e) = choose_for(&plan, &shared.config.context.pool) {
         reject(&mut channel, format!("the plan cannot run: {e}")).await;
         return;
     }

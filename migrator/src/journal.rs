@@ -20,6 +20,7 @@ use thiserror::Error;
 use crate::machine::Phase;
 use crate::plan::MovePlan;
 use crate::pool::Attachment;
+use crate::strategy::Choice;
 
 /// One journal line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,6 +44,11 @@ pub enum Record {
     Enter {
         /// The phase.
         phase: Phase,
+    },
+    /// The strategy the move runs (`auto` decided, before anything acted).
+    Chose {
+        /// The strategy and why.
+        choice: Choice,
     },
     /// The migration completed: the VM now runs on the destination.
     Migrated,
@@ -232,6 +238,14 @@ impl Replay {
     pub fn rolling_back(&self) -> Option<&str> {
         self.records.iter().find_map(|r| match r {
             Record::RollingBack { reason } => Some(reason.as_str()),
+            _ => None,
+        })
+    }
+
+    /// The strategy the move chose, if it got that far.
+    pub fn chosen(&self) -> Option<Choice> {
+        self.records.iter().find_map(|r| match r {
+            Record::Chose { choice } => Some(choice.clone()),
             _ => None,
         })
     }

@@ -11,6 +11,8 @@
 //!   migration support);
 //! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
 //!   (unit-tested only: not run on hardware);
+//! - [`strategy`]: which strategy a move runs (`auto` from VFIO's answer; `vfio-migrate`
+//!   refused for a function that cannot);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
 //! - [`destination`]: the destination end of a move behind one trait (this host, or another
 //!   migrator through [`peer`]);
@@ -39,6 +41,7 @@ pub mod peer;
 pub mod plan;
 pub mod pool;
 pub mod retention;
+pub mod strategy;
 pub mod svg;
 pub mod timeline;
 pub mod vfio;

@@ -162,7 +162,7 @@ To another host, whose migrator (listed as hostB in [[peer.known]] of this daemo
 config, with its address) takes a function from its own pool:\n  \
 rdmamig migrate --vm vm1 --qmp src/qmp.sock --agent src/agent.sock --detach nic0 \\\n    \
 --destination-migrator hostB --to-qmp /run/vm1/qmp.sock --to-agent /run/vm1/agent.sock \\\n    \
---from-pool --attach id=nic1,bus=rp1,mac=52:54:00:77:00:11 --via tcp:hostB:4444"
+--from-pool --attach driver=vfio-pci,id=nic1,bus=rp1 --via tcp:hostB:4444"
     )]
     Migrate(Box<MigrateArgs>),
 }
@@ -278,8 +278,12 @@ struct MigrateArgs {
     /// (unix: URI, guest memory shared=on). QEMU refuses it.
     #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
     local: bool,
-    /// reconnect: quiesce and resume every connection through the guest agent;
-    /// naive: unplug, migrate, plug, nothing else.
+    /// How the connections get through the move. reconnect: quiesce and resume every
+    /// connection through the guest agent; naive: unplug, migrate, plug, nothing else;
+    /// vfio-migrate: the VMM moves the function's device state (needs --source-function
+    /// naming a VF whose device supports VFIO migration, refused before anything changes
+    /// otherwise; never run on hardware); auto: vfio-migrate when VFIO says the
+    /// --source-function supports it, reconnect otherwise (the report says why).
     #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
     strategy: Strategy,
     /// A phase deadline, phase=ms (repeatable). Defaults: prepare=10000 quiesce=10000

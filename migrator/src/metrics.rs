@@ -157,6 +157,7 @@ mod tests {
             }],
             recovered_from: None,
             function: None,
+            chosen: None,
             timeline: Timeline {
                 started_unix_ms: 0,
                 ended_unix_ms: 0,

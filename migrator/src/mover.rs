@@ -49,6 +49,7 @@ use crate::machine::{transition, InvalidTransition, Phase};
 use crate::peer::{PeerError, PeerTls, RemoteDestination};
 use crate::plan::{Endpoint, MovePlan, Strategy};
 use crate::pool::{Attachment, Pool, PoolError};
+use crate::strategy::{choose_for, Choice, StrategyError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
@@ -227,6 +228,9 @@ pub struct MoveReport {
     pub recovered_from: Option<Phase>,
     /// The pool function plugged on the destination (or released by the rollback).
     pub function: Option<String>,
+    /// The strategy the move ran and why (`auto` decided at prepare).
+    #[serde(default)]
+    pub chosen: Option<Choice>,
     /// Every phase with its times (after a restart: the phases the restarted migrator ran).
     pub timeline: Timeline,
     /// The connections the agent listed at prepare.
@@ -257,6 +261,9 @@ pub enum StepError {
     /// The destination migrator could not be asked, or refused.
     #[error(transparent)]
     Peer(#[from] PeerError),
+    /// The strategy asked for cannot run.
+    #[error(transparent)]
+    Strategy(#[from] StrategyError),
     /// A VMM is not in the state the phase needs.
     #[error("the {side} VM is {state}, {expected}")]
     VmState {
@@ -296,6 +303,7 @@ impl StepError {
             StepError::Stalled => true,
             StepError::Peer(e) => e.is_timeout(),
             StepError::Journal(_)
+            | StepError::Strategy(_)
             | StepError::Pool(_)
             | StepError::VmState { .. }
             | StepError::ConnectionsLost { .. }
@@ -404,6 +412,10 @@ pub async fn recover(
     );
     mover.ids = replay.connections();
     mover.function = replay.reserved();
+    if let Some(choice) = replay.chosen() {
+        mover.strategy = choice.strategy;
+        mover.chosen = Some(choice);
+    }
     let last = replay.last_phase();
     mover.recovered_from = Some(last.unwrap_or(Phase::Prepare));
     mover.reached = last.unwrap_or(Phase::Prepare);
@@ -474,6 +486,9 @@ struct Mover {
     forced: Vec<ForcedPath>,
     rollback_error: Option<String>,
     recovered_from: Option<Phase>,
+    /// The strategy the move runs: the plan's until prepare decided (`auto`).
+    strategy: Strategy,
+    chosen: Option<Choice>,
     /// The function reserved in the destination's pool.
     function: Option<(String, Attachment)>,
     /// How the reset of the source's function after the detach went (`None`: not done in
@@ -494,6 +509,7 @@ impl Mover {
     ) -> Mover {
         Mover {
             id,
+            strategy: plan.strategy,
             plan,
             events,
             recorder: TimelineRecorder::start(),
@@ -514,6 +530,7 @@ impl Mover {
             forced: Vec::new(),
             rollback_error: None,
             recovered_from: None,
+            chosen: None,
             function: None,
             source_reset: None,
             agent_lost: None,
@@ -539,6 +556,7 @@ impl Mover {
             forced: self.forced,
             recovered_from: self.recovered_from,
             function: self.function.map(|(name, _)| name),
+            chosen: self.chosen,
             timeline: self.recorder.finish(),
             connections: self.connections,
             quiesce: self.quiesce,
@@ -792,7 +810,7 @@ impl Mover {
             }
             self.location = VmLocation::Source;
         }
-        if reached >= Phase::Detach {
+        if reached >= Phase::Detach && self.strategy != Strategy::VfioMigrate {
             let source = self.source_vmm().await?;
             let spec = self.plan.reattach_spec().clone();
             if source.has_device(&self.plan.detach).await? {
@@ -809,7 +827,7 @@ impl Mover {
                 steps.push(format!("device {} re-attached on the source", spec.id()));
             }
         }
-        if reached >= Phase::Quiesce && self.plan.strategy == Strategy::Reconnect {
+        if reached >= Phase::Quiesce && self.strategy != Strategy::Naive {
             // A fresh session: the old one may hold requests the agent never answered.
             self.agent = None;
             let source = self.source_vmm().await?;
@@ -919,9 +937,21 @@ impl Mover {
     async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let mut details = Map::new();
+        // Decided before anything acts: a refused strategy changes nothing.
+        let choice = choose_for(&self.plan, &self.context.pool)?;
+        self.journal.append(&Record::Chose {
+            choice: choice.clone(),
+        })?;
+        details.insert("strategy".into(), choice.strategy.to_string().into());
+        if self.plan.strategy != choice.strategy {
+            details.insert("strategy_reason".into(), choice.reason.clone().into());
+        }
+        self.strategy = choice.strategy;
+        self.chosen = Some(choice);
         let destination = self.destination()?;
         details.insert("destination".into(), destination.describe().into());
-        if self.plan.from_pool {
+        // vfio-migrate plugs nothing: the destination VMM was started with its function.
+        if self.plan.from_pool && self.strategy != Strategy::VfioMigrate {
             let (function, attachment) = destination
                 .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
                 .await?;
@@ -951,7 +981,7 @@ impl Mover {
             .await?;
         details.insert("via".into(), self.plan.via.clone().into());
 
-        if self.plan.strategy == Strategy::Reconnect {
+        if self.strategy != Strategy::Naive {
             let mut agent = self.context.backends.agent(source.as_ref()).await?;
             let version = ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
             let connections = agent
@@ -970,7 +1000,7 @@ impl Mover {
     }
 
     async fn quiesce_phase(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if self.plan.strategy == Strategy::Naive {
+        if self.strategy == Strategy::Naive {
             return Ok(Finished::skipped(
                 "strategy naive: connections are not quiesced",
             ));
@@ -1033,6 +1063,11 @@ impl Mover {
     }
 
     async fn detach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        if self.strategy == Strategy::VfioMigrate {
+            return Ok(Finished::skipped(
+                "strategy vfio-migrate: the function stays plugged; the VMM moves its state",
+            ));
+        }
         let source = self.source_vmm().await?;
         match source.remove_device(&self.plan.detach, deadline).await {
             Ok(()) => {}
@@ -1079,6 +1114,10 @@ impl Mover {
         let Some(name) = self.plan.source_function.clone() else {
             return;
         };
+        if self.strategy == Strategy::VfioMigrate {
+            // Never detached: it stays with the source VMM until that exits.
+            return;
+        }
         let result = match self.source_reset.take() {
             Some(result) => result,
             None => self.reset_source_function(&name),
@@ -1173,6 +1212,11 @@ impl Mover {
     }
 
     async fn attach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        if self.strategy == Strategy::VfioMigrate {
+            return Ok(Finished::skipped(
+                "strategy vfio-migrate: the function arrived with the VM's device state",
+            ));
+        }
         let destination = self.destination()?;
         let function = self.function.as_ref().map(|(name, _)| name.as_str());
         let plugged = destination
@@ -1198,7 +1242,7 @@ impl Mover {
     }
 
     async fn resume_phase(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if self.plan.strategy == Strategy::Naive {
+        if self.strategy == Strategy::Naive {
             return Ok(Finished::skipped(
                 "strategy naive: connections are not resumed",
             ));

@@ -22,6 +22,13 @@ pub enum Strategy {
     Reconnect,
     /// The baseline operators use today: unplug, migrate, plug; no agent, no quiesce.
     Naive,
+    /// The VMM moves the passthrough function's device state (VFIO migration uAPI v2); the
+    /// function is not unplugged; connections are quiesced around the migration and
+    /// resumed after it. Never run on hardware.
+    VfioMigrate,
+    /// vfio-migrate when VFIO says the source's function supports VFIO migration,
+    /// reconnect otherwise; the report says why.
+    Auto,
 }
 
 impl std::fmt::Display for Strategy {
@@ -29,6 +36,8 @@ impl std::fmt::Display for Strategy {
         f.write_str(match self {
             Strategy::Reconnect => "reconnect",
             Strategy::Naive => "naive",
+            Strategy::VfioMigrate => "vfio-migrate",
+            Strategy::Auto => "auto",
         })
     }
 }
@@ -338,7 +347,7 @@ impl MovePlan {
                 });
             }
         }
-        if self.strategy == Strategy::Reconnect {
+        if self.strategy != Strategy::Naive {
             for (side, endpoint) in [("source", &self.source), ("destination", &self.destination)] {
                 if !endpoint.has_agent() {
                     return Err(PlanError::MissingAgent {

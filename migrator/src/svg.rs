@@ -153,6 +153,7 @@ mod tests {
             forced: vec![],
             recovered_from: None,
             function: None,
+            chosen: None,
             timeline: Timeline {
                 started_unix_ms: 1000,
                 ended_unix_ms: 1700,

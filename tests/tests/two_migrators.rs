@@ -6,7 +6,10 @@
 //! that, with the traffic running: a destination that presents a certificate other than the
 //! one the source lists for that name is refused by the sending side, and a destination
 //! migrator without a free function refuses the reservation; both moves roll back at
-//! prepare, before anything in the VM is touched. Nothing is lost, duplicated or reordered.
+//! prepare, before anything in the VM is touched. Strategy `vfio-migrate` is refused for the
+//! source's function, an emulated NIC, before anything happens; the move itself runs with
+//! `auto`, which picks `reconnect` for that function and says why. Nothing is lost,
+//! duplicated or reordered.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -153,14 +156,17 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
     let (destination_port, full_port) = (free_port(), free_port());
     // The source lists the destination twice: as `dst` with its real certificate, and as
     // `impostor` with another host's, at the same address.
-    let source_config = pki.peer_table(
-        "source",
-        None,
-        &[
-            ("dst", "destination", destination_port),
-            ("impostor", "stranger", destination_port),
-            ("full", "full", full_port),
-        ],
+    let source_config = format!(
+        "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=virtio-net-pci,netdev=nd0\"\n\n{}",
+        pki.peer_table(
+            "source",
+            None,
+            &[
+                ("dst", "destination", destination_port),
+                ("impostor", "stranger", destination_port),
+                ("full", "full", full_port),
+            ],
+        )
     );
     let destination_config =
         format!(
@@ -221,12 +227,37 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
     assert_eq!(phases(&report), ["prepare", "rollback"]);
     assert_eq!(pool_state(&destination, "tap1")["state"], "free");
 
-    // The move, through the destination migrator.
+    // vfio-migrate on a function that cannot: refused before anything happens.
+    let out = migrate_command(source.socket(), &guests.src, &guests.dst)
+        .args(["--destination-migrator", "dst", "--from-pool"])
+        .args(["--strategy", "vfio-migrate", "--source-function", "tap0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert_eq!(out.status.code(), Some(3), "vfio-migrate was not refused");
+    assert!(
+        stderr.contains(
+            "strategy vfio-migrate refused: function tap0 is an emulated NIC, not a VFIO device"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(pool_state(&destination, "tap1")["state"], "free");
+
+    // The move, through the destination migrator, with the strategy VFIO decides.
     let (code, _, report) = migrate(
         &source,
         &guests,
         &bed.dir().join("move.json"),
-        &["--destination-migrator", "dst", "--from-pool"],
+        &[
+            "--destination-migrator",
+            "dst",
+            "--from-pool",
+            "--strategy",
+            "auto",
+            "--source-function",
+            "tap0",
+        ],
     );
     let MoveGuests { peer, src, dst } = guests;
     src.kill();
@@ -267,6 +298,16 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         format!("migrator dst (127.0.0.1:{destination_port})").as_str()
     );
     assert_eq!(details("attach")["function"], "tap1");
+    assert_eq!(report["plan"]["strategy"], "auto");
+    assert_eq!(report["chosen"]["strategy"], "reconnect");
+    assert_eq!(details("prepare")["strategy"], "reconnect");
+    let reason = details("prepare")["strategy_reason"].clone();
+    assert_eq!(
+        reason,
+        "auto picked reconnect: function tap0 is an emulated NIC, not a VFIO device"
+    );
+    // The source's function went back to its pool (an emulated NIC has nothing to reset).
+    assert_eq!(pool_state(&source, "tap0")["state"], "free");
     assert_eq!(details("resume")["failed"], 0);
     let state = pool_state(&destination, "tap1");
     assert_eq!(state["state"], "attached", "{state}");
