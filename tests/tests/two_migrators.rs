@@ -306,6 +306,20 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         reason,
         "auto picked reconnect: function tap0 is an emulated NIC, not a VFIO device"
     );
+    // The destination migrator did each duty for the source, over the channel.
+    let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log")).unwrap();
+    for call in [
+        "Reserve",
+        "PrepareReceive",
+        "ConfirmReceived",
+        "Attach",
+        "Resume",
+    ] {
+        assert!(
+            log.contains(&format!("peer request peer=src call={call} ")),
+            "{call}: {log}"
+        );
+    }
     // The source's function went back to its pool (an emulated NIC has nothing to reset).
     assert_eq!(pool_state(&source, "tap0")["state"], "free");
     assert_eq!(details("resume")["failed"], 0);
