@@ -750,15 +750,16 @@ impl Mover {
         if reached >= Phase::Migrate {
             let source = self.source_vmm().await?;
             if !self.migrated {
-                match source.cancel_migration().await {
-                    Ok(()) => {}
-                    // Cloud Hypervisor cannot cancel: its own timeout limit ends the migration
-                    // (Cancel strategy), which the wait below sees.
+                let cancelled = match source.cancel_migration().await {
+                    Ok(()) => true,
+                    // Cloud Hypervisor cannot cancel: the migration ends by itself (failed, or
+                    // its own timeout limit with the Cancel strategy), which the wait sees.
                     Err(e @ VmmError::Unsupported { .. }) => {
-                        self.warn(format!("{}: waiting for the migration to end", e));
+                        self.warn(format!("{e}: waiting for the migration to end"));
+                        false
                     }
                     Err(e) => return Err(e.into()),
-                }
+                };
                 // Wait until the migration is over, not just asked to stop: a VMM refuses
                 // hot-plug while a cancelled migration is still winding down. It may also
                 // have completed before the cancel took.
@@ -793,7 +794,11 @@ impl Mover {
                     }
                 }
                 if !self.migrated {
-                    steps.push("migration cancelled".into());
+                    steps.push(if cancelled {
+                        "migration cancelled".into()
+                    } else {
+                        "migration over without completing (the VMM cannot cancel)".into()
+                    });
                 }
             }
             if self.migrated {

@@ -9,7 +9,11 @@
 //! NOTES.md describes a real one: the source answers `vm.send-migration` with 204 at once,
 //! writes `migration-started` / `migration-finished` to its event monitor and loses the VM
 //! (404); the destination's `vm.receive-migration` stays open until then and answers 204,
-//! after which its `vm.info` shows the VM. The guest agent is real: the test-bed guest's
+//! after which its `vm.info` shows the VM. A second move's migration fails as a real one
+//! does (`migration-failed`, the VM resumed on the source, the receiver answers 500 with
+//! the error chain) and rolls back: Cloud Hypervisor cannot cancel, so the rollback waits
+//! for the migration's end, plugs a device back on the source and has the agent resume
+//! there. The guest agent is real: the test-bed guest's
 //! agent, reached over real hybrid vsock (vhost-device-vsock, which speaks Cloud
 //! Hypervisor's `CONNECT` protocol), from both ends' endpoints.
 //!
@@ -38,6 +42,10 @@ const RECEIVE_WAIT: Duration = Duration::from_secs(60);
 struct World {
     /// `false`: the VM is on the source; `true`: it migrated to the destination.
     migrated: bool,
+    /// The source's migration failed (the VM stays on the source).
+    failed: bool,
+    /// A send migration fails instead of moving the VM.
+    fail_migration: bool,
     source_devices: BTreeSet<String>,
     destination_devices: BTreeSet<String>,
 }
@@ -73,13 +81,25 @@ fn source_api(world: Shared, events: std::path::PathBuf) -> FakeCh {
                 }
             }
             "/vm.send-migration" => {
-                // Answered at once; the outcome is in the event monitor (NOTES.md).
-                for event in ["migration-started", "migration-finished"] {
+                // Answered at once; the outcome is in the event monitor (NOTES.md). A failed
+                // migration leaves the VM resumed on the source.
+                let outcome = if state.fail_migration {
+                    state.failed = true;
+                    ["migration-started", "migration-failed", "resumed"].as_slice()
+                } else {
+                    state.migrated = true;
+                    ["migration-started", "migration-finished"].as_slice()
+                };
+                for event in outcome {
                     write_event(&events, event);
                 }
-                state.migrated = true;
                 arrived.notify_all();
                 (204, Vec::new())
+            }
+            "/vm.add-device" => {
+                let id = body_id(body);
+                state.source_devices.insert(id.clone());
+                (200, serde_json::to_vec(&pci_device(&id)).unwrap())
             }
             _ => successful(path, body),
         }
@@ -99,29 +119,40 @@ fn destination_api(world: Shared) -> FakeCh {
                 // Open until the VM has arrived (this runs on a blocking thread).
                 let state = lock.lock().unwrap();
                 let (state, _) = arrived
-                    .wait_timeout_while(state, RECEIVE_WAIT, |s| !s.migrated)
+                    .wait_timeout_while(state, RECEIVE_WAIT, |s| !s.migrated && !s.failed)
                     .unwrap();
                 if state.migrated {
                     (204, Vec::new())
                 } else {
-                    (500, spec_body(Endpoint::VmReceiveMigration, 500))
+                    let chain = json!([
+                        "Error from API",
+                        "Error receiving migration",
+                        "Socket error",
+                        "failed to fill whole buffer"
+                    ]);
+                    (500, serde_json::to_vec(&chain).unwrap())
                 }
             }
             "/vm.add-device" => {
                 let id = body_id(body);
                 lock.lock().unwrap().destination_devices.insert(id.clone());
-                let added = json!({"id": id, "bdf": "0000:00:05.0"});
-                validate(
-                    response_schema(Endpoint::VmAddDevice, 200).expect("PciDeviceInfo"),
-                    &added,
-                    "PciDeviceInfo",
-                )
-                .expect("the stand-in answers what the spec allows");
-                (200, serde_json::to_vec(&added).unwrap())
+                (200, serde_json::to_vec(&pci_device(&id)).unwrap())
             }
             _ => successful(path, body),
         }
     })
+}
+
+/// `vm.add-device`'s answer, checked against the spec.
+fn pci_device(id: &str) -> Value {
+    let added = json!({"id": id, "bdf": "0000:00:05.0"});
+    validate(
+        response_schema(Endpoint::VmAddDevice, 200).expect("PciDeviceInfo"),
+        &added,
+        "PciDeviceInfo",
+    )
+    .expect("the stand-in answers what the spec allows");
+    added
 }
 
 /// Appends one event as Cloud Hypervisor's event monitor writes it (pretty-printed JSON).
@@ -149,16 +180,27 @@ fn bodies(api: &FakeCh, path: &str) -> Vec<Value> {
 
 #[test]
 fn a_cloud_hypervisor_vm_moves_with_one_wrapper_command() {
-    let bed = Testbed::builder("chmove")
+    run("chmove", false);
+}
+
+#[test]
+fn a_failed_cloud_hypervisor_migration_rolls_back_to_the_source() {
+    run("chfail", true);
+}
+
+fn run(name: &str, fail_migration: bool) {
+    let bed = Testbed::builder(name)
         .guest_binaries(GuestBinaries::Required)
         .build()
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    if let Err(e) = scenario(&bed) {
+    if let Err(e) = scenario(&bed, fail_migration) {
         panic!("{}", error_chain(&*e));
     }
 }
 
-fn scenario(bed: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
+/// One move; with `fail_migration` the source's migration fails (event monitor:
+/// `migration-failed`, the receiver answers 500) and the move must roll back.
+fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::error::Error>> {
     let mut spec = bed.guest_spec("vm")?;
     spec.vsock_cid = Some(3);
     let guest = bed.start_guest(spec)?;
@@ -166,7 +208,11 @@ fn scenario(bed: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     let runtime = tokio::runtime::Runtime::new()?;
     let _entered = runtime.enter();
     let world: Shared = Arc::default();
-    world.0.lock().unwrap().source_devices.insert("vf0".into());
+    {
+        let mut state = world.0.lock().unwrap();
+        state.source_devices.insert("vf0".into());
+        state.fail_migration = fail_migration;
+    }
     let events = bed.dir().join("ch-events.json");
     std::fs::write(&events, "")?;
     let source = source_api(world.clone(), events.clone());
@@ -205,9 +251,12 @@ fn scenario(bed: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     // schema accepts.
     check_against_spec(&source.recorded());
     check_against_spec(&destination.recorded());
+    let report_path = report;
+    if fail_migration {
+        return check_rolled_back(&output, &text, &report_path, &source, &destination, &world);
+    }
     assert_eq!(output.status.code(), Some(0), "the move failed:\n{text}");
-
-    let report: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path)?)?;
     assert_eq!(report["ok"], true, "{report:#}");
     assert_eq!(report["final_phase"], "done");
     assert_eq!(report["plan"]["source"]["vmm"], "cloud_hypervisor");
@@ -255,5 +304,47 @@ fn scenario(bed: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
         state.destination_devices,
         BTreeSet::from(["vf1".to_string()])
     );
+    Ok(())
+}
+
+/// The failed migration rolled the move back: exit 4, the VM on the source with a device
+/// plugged back, nothing plugged on the destination, the connections resumed by the agent.
+fn check_rolled_back(
+    output: &std::process::Output,
+    text: &str,
+    report: &Path,
+    source: &FakeCh,
+    destination: &FakeCh,
+    world: &Shared,
+) -> Result<(), Box<dyn std::error::Error>> {
+    assert_eq!(output.status.code(), Some(4), "not rolled back:\n{text}");
+    let report: Value = serde_json::from_slice(&std::fs::read(report)?)?;
+    assert_eq!(report["final_phase"], "rolled_back", "{report:#}");
+    assert_eq!(report["failed_phase"], "migrate");
+    assert_eq!(report["vm_location"], "source");
+    let error = report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("migration failed"), "{error}");
+    let rollback = report["timeline"]["phases"]
+        .as_array()
+        .and_then(|p| p.last())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(rollback["phase"], "rollback", "{rollback:#}");
+    let steps = rollback["details"]["steps"].to_string();
+    assert!(
+        steps.contains("migration over without completing"),
+        "{steps}"
+    );
+    assert!(steps.contains("re-attached on the source"), "{steps}");
+    assert!(steps.contains("resumed on the source"), "{steps}");
+    assert_eq!(bodies(destination, "/vm.add-device"), Vec::<Value>::new());
+    assert_eq!(
+        bodies(source, "/vm.add-device"),
+        [json!({"path": "/sys/bus/pci/devices/0000:5e:02.3", "id": "vf1"})]
+    );
+    let state = world.0.lock().unwrap();
+    assert!(!state.migrated && state.failed);
+    assert_eq!(state.source_devices, BTreeSet::from(["vf1".to_string()]));
+    assert!(state.destination_devices.is_empty());
     Ok(())
 }
