@@ -137,7 +137,8 @@ Each end names its VMM: QEMU (--qmp, agent on virtio-serial --agent) or Cloud Hy
 (--api-socket, agent on hybrid vsock --vsock, optional --event-monitor); the destination the \
 same with --to-. The destination VMM must already run: QEMU with the VM's configuration minus \
 the detached NIC and `-incoming defer`, Cloud Hypervisor without a VM (the move sends its \
-vm.receive-migration). Progress is printed as it happens, then the timeline with every phase's \
+vm.receive-migration). The move confirms on the destination that the VM arrived before it \
+plugs the new NIC; a migration the destination did not receive rolls back. Progress is printed as it happens, then the timeline with every phase's \
 duration. Exit status: 0 when the move is done, 4 when it failed and was rolled back (the VM \
 runs on the source with its device, connections resumed), 1 when it failed and could not be \
 rolled back (the message says which phase, why, and where the VM is), 2 for usage errors, 3 \
