@@ -57,6 +57,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
+    for outcome in [&reconnect, &naive] {
+        let name = outcome.strategy.migrator_name();
+        println!("\n== the {name} move\n{}", outcome.move_output.trim_end());
+        println!("{}", scenario::render(outcome));
+    }
     println!("\n{}", overhead.render());
     println!("{}", render_switching(&reconnect, &naive));
     Ok(())
