@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use rdmamig_proto::agent::{
     AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
+    DeviceHolder,
 };
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use rdmamig_vmm::AgentStream;
@@ -149,6 +150,13 @@ pub trait GuestAgent: Send {
         known: &[ConnectionId],
         deadline: Duration,
     ) -> Result<Outcomes, AgentError>;
+
+    /// The forced release of the RDMA device (see [`AgentClient::release_device`]).
+    async fn release_device(
+        &mut self,
+        grace: Duration,
+        deadline: Duration,
+    ) -> Result<Vec<DeviceHolder>, AgentError>;
 }
 
 #[async_trait::async_trait]
@@ -178,6 +186,14 @@ impl GuestAgent for AgentClient {
         deadline: Duration,
     ) -> Result<Outcomes, AgentError> {
         AgentClient::resume(self, known, deadline).await
+    }
+
+    async fn release_device(
+        &mut self,
+        grace: Duration,
+        deadline: Duration,
+    ) -> Result<Vec<DeviceHolder>, AgentError> {
+        AgentClient::release_device(self, grace, deadline).await
     }
 }
 
@@ -264,6 +280,24 @@ impl AgentClient {
         outcomes("resume", answer, known)
     }
 
+    /// The forced release: has every guest process that still holds an RDMA device let go
+    /// (see [`AgentCommand::ReleaseDevice`]); returns the holders as the agent reports them
+    /// (untrusted: for the timeline only, the host acts on none of them).
+    pub async fn release_device(
+        &mut self,
+        grace: Duration,
+        deadline: Duration,
+    ) -> Result<Vec<DeviceHolder>, AgentError> {
+        let command = AgentCommand::ReleaseDevice {
+            grace_ms: millis(grace),
+            deadline_ms: agent_budget(deadline),
+        };
+        match self.request(command, deadline).await? {
+            AgentResult::Released { holders } => Ok(holders),
+            other => Err(unexpected("release the device", &other)),
+        }
+    }
+
     async fn request(
         &mut self,
         command: AgentCommand,
@@ -343,6 +377,7 @@ fn command_name(command: &AgentCommand) -> &'static str {
         AgentCommand::ListConnections => "list connections",
         AgentCommand::Quiesce { .. } => "quiesce",
         AgentCommand::Resume { .. } => "resume",
+        AgentCommand::ReleaseDevice { .. } => "release the device",
     }
 }
 
@@ -351,6 +386,7 @@ fn result_kind(result: &AgentResult) -> &'static str {
         AgentResult::Pong { .. } => "pong",
         AgentResult::Connections { .. } => "connections",
         AgentResult::Outcomes { .. } => "outcomes",
+        AgentResult::Released { .. } => "released",
         AgentResult::Error { .. } => "error",
     }
 }

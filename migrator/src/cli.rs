@@ -505,6 +505,7 @@ mod tests {
                 reattach: None,
                 from_pool: false,
                 source_function: None,
+                force_release: false,
                 via: "unix:/m".into(),
                 limits: Default::default(),
                 strategy: Strategy::Naive,

@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, ConnectionState, Role};
+use rdmamig_proto::agent::{
+    ConnectionInfo, ConnectionOutcome, ConnectionState, DeviceHolder, Role,
+};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress, MigrationStatus,
@@ -385,6 +387,25 @@ impl GuestAgent for FakeAgent {
             outcomes,
             elapsed_ms: 5,
         })
+    }
+
+    async fn release_device(
+        &mut self,
+        _grace: Duration,
+        _deadline: Duration,
+    ) -> Result<Vec<DeviceHolder>, AgentError> {
+        if self.host.call("agent.release_device").is_some() {
+            return Err(timed_out("release the device"));
+        }
+        let mut state = self.host.state();
+        // The holder is gone: the pending unplug can complete.
+        state.faults.remove("src.remove_device");
+        Ok(vec![DeviceHolder {
+            pid: 4242,
+            program: "ibv_rc_pingpong".into(),
+            action: "SIGTERM".into(),
+            released: true,
+        }])
     }
 
     async fn resume(

@@ -256,6 +256,13 @@ struct MigrateArgs {
     /// detach, back to the pool when the move is done, quarantined if the reset failed.
     #[arg(long)]
     source_function: Option<String>,
+    /// If the guest has not released the detached device by the detach deadline (a process
+    /// holds it), have the guest agent make the holders let go instead of rolling back:
+    /// processes using the rdmamig library quiesce again, any other is sent SIGTERM, then
+    /// SIGKILL after 1 s; the report names every PID. The detach may then take up to three
+    /// times its deadline. Off by default: without it such a move rolls back.
+    #[arg(long)]
+    force_release: bool,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
     via: String,
@@ -527,6 +534,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         reattach: args.reattach,
         from_pool: args.from_pool,
         source_function: args.source_function,
+        force_release: args.force_release,
         via: args.via,
         limits: MigrationLimits {
             downtime: args.downtime_ms.map(Duration::from_millis),

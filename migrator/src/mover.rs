@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase, Vmm,
@@ -61,6 +61,9 @@ const PING_ATTEMPT: Duration = Duration::from_millis(1000);
 
 /// Migration progress is reported at most this often (and on every status change).
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Time a process signalled by the forced release has between SIGTERM and SIGKILL.
+const RELEASE_GRACE: Duration = Duration::from_millis(1000);
 
 /// How often a rollback polls the source while a cancelled migration winds down.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
@@ -632,8 +635,14 @@ impl Mover {
                 at_ms: self.recorder.elapsed_ms(),
                 deadline_ms: millis(deadline),
             });
+            // A forced release waits for the unplug, the release, then the unplug again.
+            let budget = if phase == Phase::Detach && self.plan.force_release {
+                deadline * 3
+            } else {
+                deadline
+            };
             let body = self.body(phase, deadline);
-            let result = match tokio::time::timeout(deadline + GRACE, body).await {
+            let result = match tokio::time::timeout(budget + GRACE, body).await {
                 Ok(result) => result,
                 Err(_) => Err(StepError::Stalled),
             };
@@ -1074,8 +1083,20 @@ impl Mover {
             ));
         }
         let source = self.source_vmm().await?;
+        let mut details = Map::new();
+        let mut outcome = PhaseOutcome::Ok;
         match source.remove_device(&self.plan.detach, deadline).await {
             Ok(()) => {}
+            Err(e) if e.is_timeout() && self.plan.force_release => {
+                let (holders, reason) = self.force_release(deadline).await?;
+                outcome = PhaseOutcome::Forced { reason };
+                details.insert(
+                    "forced_release".into(),
+                    serde_json::to_value(&holders).unwrap_or_default(),
+                );
+                // The unplug is still pending in the VMM: wait for it again.
+                source.remove_device(&self.plan.detach, deadline).await?;
+            }
             Err(e) if e.is_timeout() => {
                 self.force(
                     Phase::Detach,
@@ -1090,7 +1111,6 @@ impl Mover {
             }
             Err(e) => return Err(e.into()),
         }
-        let mut details = Map::new();
         details.insert("device".into(), self.plan.detach.clone().into());
         if let Some(name) = self.plan.source_function.clone() {
             let result = self.reset_source_function(&name);
@@ -1101,7 +1121,51 @@ impl Mover {
             details.insert("reset".into(), text.into());
             self.source_reset = Some(result);
         }
-        Ok(Finished::ok(details))
+        Ok(Finished { outcome, details })
+    }
+
+    /// The forced release (`--force-release`), after the unplug missed its deadline: the
+    /// agent makes every process that holds the RDMA device let go, and the forced path is
+    /// recorded with each holder's PID, name and what was done to it.
+    async fn force_release(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<(Vec<DeviceHolder>, String), StepError> {
+        let mut agent = match self.agent.take() {
+            Some(agent) => agent,
+            None => {
+                let source = self.source_vmm().await?;
+                self.context.backends.agent(source.as_ref()).await?
+            }
+        };
+        let holders = agent.release_device(RELEASE_GRACE, deadline).await;
+        self.agent = Some(agent);
+        let holders = holders?;
+        let named = if holders.is_empty() {
+            "the agent found no process holding an RDMA device".to_string()
+        } else {
+            holders
+                .iter()
+                .map(|h| {
+                    format!(
+                        "PID {} ({}): {}{}",
+                        h.pid,
+                        h.program,
+                        h.action,
+                        if h.released { "" } else { ", still holding it" }
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let reason = format!(
+            "the guest did not release {} within {} ms (a process holds its device context): \
+             forced release (--force-release): {named}",
+            self.plan.detach,
+            millis(deadline)
+        );
+        self.force(Phase::Detach, reason.clone());
+        Ok((holders, reason))
     }
 
     /// Resets the source's detached function, so that it stops processing whatever was
@@ -1561,6 +1625,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_held_device_context_is_released_by_force_when_the_move_allows_it() {
+        let bed = Bed::new();
+        bed.host.fail("src.remove_device", Fault::Timeout);
+        let mut plan = plan();
+        plan.force_release = true;
+        let report = bed.run(plan).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.forced.len(), 1);
+        assert_eq!(report.forced[0].phase, Phase::Detach);
+        let reason = &report.forced[0].reason;
+        assert!(
+            reason
+                .contains("forced release (--force-release): PID 4242 (ibv_rc_pingpong): SIGTERM"),
+            "{reason}"
+        );
+        let detach = &report.timeline.phases[2];
+        assert!(matches!(detach.outcome, PhaseOutcome::Forced { .. }));
+        assert_eq!(detach.details["forced_release"][0]["pid"], 4242);
+        let calls = bed.calls();
+        let unplugs = calls.iter().filter(|c| *c == "src.remove_device").count();
+        assert_eq!(unplugs, 2, "{calls:?}");
+        assert!(calls.contains(&"agent.release_device".to_string()));
+    }
+
+    #[tokio::test]
+    async fn a_failed_forced_release_rolls_back() {
+        let bed = Bed::new();
+        bed.host.fail("src.remove_device", Fault::Timeout);
+        bed.host.fail("agent.release_device", Fault::Timeout);
+        let mut plan = plan();
+        plan.force_release = true;
+        let report = bed.run(plan).await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Detach));
+    }
+
+    #[tokio::test]
     async fn a_stalled_migration_is_cancelled_and_rolled_back() {
         let bed = Bed::new();
         bed.host.fail("src.wait_migration", Fault::Timeout);
@@ -1938,6 +2039,7 @@ mod trust_tests {
                     outcomes: vec![],
                     elapsed_ms: 1,
                 },
+                AgentCommand::ReleaseDevice { .. } => AgentResult::Released { holders: vec![] },
             };
             let answer = Frame::encode(&AgentResponse {
                 id: request.id,

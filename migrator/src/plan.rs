@@ -248,6 +248,11 @@ pub struct MovePlan {
     /// reset failed.
     #[serde(default)]
     pub source_function: Option<String>,
+    /// When the guest does not release the detached device in time (a process holds it):
+    /// have the agent make the holders let go (library processes quiesce again, others get
+    /// SIGTERM then SIGKILL) and wait for the unplug again, instead of rolling back.
+    #[serde(default)]
+    pub force_release: bool,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
     /// The migration's own bounds, handed to the source VMM.
@@ -382,6 +387,7 @@ pub(crate) mod tests {
             reattach: None,
             from_pool: false,
             source_function: None,
+            force_release: false,
             via: "unix:/d/mig.sock".into(),
             limits: MigrationLimits::default(),
             strategy: Strategy::Reconnect,

@@ -36,6 +36,15 @@ pub enum AgentCommand {
         /// Time the agent may take, in milliseconds.
         deadline_ms: u64,
     },
+    /// The forced release, after the unplug missed its deadline: make every process that
+    /// still holds an RDMA device let go. Processes using the connection library are asked to
+    /// quiesce again; any other is sent SIGTERM, then SIGKILL once `grace_ms` has passed.
+    ReleaseDevice {
+        /// Time a signalled process has between SIGTERM and SIGKILL, in milliseconds.
+        grace_ms: u64,
+        /// Time the agent may take, in milliseconds.
+        deadline_ms: u64,
+    },
 }
 
 /// The agent's answer to one [`AgentRequest`].
@@ -67,6 +76,11 @@ pub enum AgentResult {
         outcomes: Vec<ConnectionOutcome>,
         /// Wall time the agent spent, in milliseconds.
         elapsed_ms: u64,
+    },
+    /// Answer to [`AgentCommand::ReleaseDevice`]: the processes that held an RDMA device.
+    Released {
+        /// One entry per holding process.
+        holders: Vec<DeviceHolder>,
     },
     /// The command failed as a whole.
     Error {
@@ -130,6 +144,20 @@ pub struct ConnectionInfo {
     pub unacked: u64,
 }
 
+/// A guest process that held an RDMA device when the forced release came, and what the
+/// agent did to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceHolder {
+    /// The process.
+    pub pid: u32,
+    /// Its name (`/proc/<pid>/comm`).
+    pub program: String,
+    /// What was done: `asked to quiesce (rdmamig library)`, `SIGTERM`, `SIGTERM, SIGKILL`.
+    pub action: String,
+    /// Whether it no longer holds the device when the agent answers.
+    pub released: bool,
+}
+
 /// What happened to one connection during a quiesce or resume.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConnectionOutcome {
@@ -155,6 +183,10 @@ mod tests {
             AgentCommand::ListConnections,
             AgentCommand::Quiesce { deadline_ms: 5000 },
             AgentCommand::Resume { deadline_ms: 9000 },
+            AgentCommand::ReleaseDevice {
+                grace_ms: 1000,
+                deadline_ms: 4000,
+            },
         ] {
             let req = AgentRequest { id: 3, command };
             let bytes = Frame::encode(&req);

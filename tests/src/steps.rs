@@ -88,6 +88,32 @@ pub fn dump_logs(guest: &Guest) {
     }
 }
 
+/// Starts a raw verbs user the agent does not know, which holds the RDMA device of `guest`:
+/// `ibv_rc_pingpong` as a server keeps its device context while it waits for a client on TCP
+/// port 18515 (0x4853), which it opens only after its device set-up succeeded. A NIC hook
+/// still settling may make the set-up fail (the holder then exits at once): started again,
+/// bounded. Returns its PID (also in `/run/holder.pid`).
+pub fn start_holder(guest: &Guest) -> StepResult<u32> {
+    let out = guest.run_ok(
+        "n=0; while [ $n -lt 5 ]; do \
+           ibv_rc_pingpong -g 1 >/run/holder.log 2>&1 & echo $! > /run/holder.pid; \
+           i=0; while kill -0 $(cat /run/holder.pid) 2>/dev/null && \
+                 ! grep -qi ':4853 ' /proc/net/tcp /proc/net/tcp6 2>/dev/null; do \
+             i=$((i+1)); [ $i -gt 100 ] && break; sleep 0.05; done; \
+           kill -0 $(cat /run/holder.pid) 2>/dev/null && \
+             grep -qi ':4853 ' /proc/net/tcp /proc/net/tcp6 2>/dev/null && \
+             echo holder $(cat /run/holder.pid) && exit 0; \
+           n=$((n+1)); sleep 0.2; done; cat /run/holder.log; exit 1",
+        STEP_TIMEOUT,
+    )?;
+    let pid = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("holder "))
+        .and_then(|pid| pid.trim().parse().ok())
+        .ok_or_else(|| format!("{}: no holder PID in {out:?}", guest.name()))?;
+    Ok(pid)
+}
+
 /// Drives the library in the process registered on `socket` like the agent would:
 /// `describe`, `quiesce` or `resume`. Fails if any per-connection outcome is not ok.
 pub fn ctl(guest: &Guest, socket: &str, op: &str) -> StepResult<Value> {

@@ -170,10 +170,7 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
         steps::wait_ready(&peer, "h")?;
         steps::wait_ready(&src, "h")?;
         // A raw verbs user the agent does not know holds the NIC.
-        src.run_ok(
-            "ibv_rc_pingpong -g 1 >/dev/null 2>&1 & echo $! > /run/holder.pid; sleep 0.5",
-            steps::STEP_TIMEOUT,
-        )?;
+        steps::start_holder(&src)?;
         let mut pre = vmm_args(&src);
         pre.extend([
             "pre-migrate".into(),

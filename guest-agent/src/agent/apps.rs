@@ -214,6 +214,11 @@ impl Apps {
         }
     }
 
+    /// The process ids of the registered processes.
+    pub fn pids(&self) -> Vec<u32> {
+        self.snapshot().iter().map(|app| app.pid).collect()
+    }
+
     fn snapshot(&self) -> Vec<Arc<App>> {
         self.apps.lock().unwrap().values().cloned().collect()
     }

@@ -11,6 +11,7 @@
 pub mod apps;
 pub mod device;
 pub mod host;
+pub mod release;
 pub mod vsock;
 
 use std::path::PathBuf;
@@ -28,10 +29,12 @@ const ANSWER_MARGIN: Duration = Duration::from_millis(200);
 /// Longest time spent asking processes to describe their connections before a quiesce.
 const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The agent's state: the registered processes and where to look for RDMA devices.
+/// The agent's state: the registered processes and where to look for RDMA devices and
+/// processes.
 pub struct Agent {
     apps: Apps,
     sysfs_infiniband: PathBuf,
+    proc_root: PathBuf,
 }
 
 impl Agent {
@@ -40,6 +43,7 @@ impl Agent {
         Self {
             apps,
             sysfs_infiniband,
+            proc_root: PathBuf::from(release::PROC),
         }
     }
 
@@ -69,6 +73,20 @@ impl Agent {
                     deadline,
                 );
                 outcomes_since(started, outcomes)
+            }
+            AgentCommand::ReleaseDevice {
+                grace_ms,
+                deadline_ms,
+            } => {
+                let deadline = deadline_from(started, deadline_ms);
+                let holders = release::release(
+                    &self.apps,
+                    &self.proc_root,
+                    Duration::from_millis(grace_ms),
+                    deadline,
+                );
+                info!(?holders, "forced release of the RDMA device");
+                AgentResult::Released { holders }
             }
             AgentCommand::Resume { deadline_ms } => {
                 let deadline = deadline_from(started, deadline_ms);

@@ -1,0 +1,81 @@
+//! An application holding its device context, on the test bed: a raw verbs user the agent
+//! does not know (`ibv_rc_pingpong`, see `steps::start_holder`) keeps the moving VM's RDMA
+//! device while rdmamig connections carry traffic. The unplug misses its deadline; the move
+//! was asked with `--force-release`, so instead of rolling back the migrator has the agent
+//! release the device: the holder gets SIGTERM (SIGKILL after 1 s if needed), the forced
+//! path is recorded with its PID, the pending unplug completes and the move goes on to the
+//! destination. The rdmamig connections lose, duplicate and reorder nothing.
+//!
+//! (Without `--force-release` the same situation rolls back: `daemon_cli`'s
+//! `a_device_the_guest_keeps_fails_detach_at_its_deadline`.)
+//!
+//! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
+
+use std::time::Duration;
+
+use rdmamig_testbed::scenario::Daemon;
+use rdmamig_testbed::steps::{
+    assert_clean, collect_report, dump_logs, migrate_command, start_holder, stop_traffic,
+    MoveGuests,
+};
+use rdmamig_testbed::{error_chain, Testbed};
+use serde_json::Value;
+
+const TAG: &str = "flow";
+
+#[test]
+fn a_held_device_is_released_by_force_and_the_move_completes_losing_nothing() {
+    let bed = Testbed::new("helddev").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let guests = MoveGuests::start(&bed, "hd").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    guests.start_flow(TAG, "--rate 100").unwrap();
+    let MoveGuests { peer, src, dst } = guests;
+    let holder = start_holder(&src).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+
+    let report_path = bed.dir().join("move.json");
+    let out = migrate_command(daemon.socket(), &src, &dst)
+        .args(["--force-release", "--deadline", "detach=2000", "--report"])
+        .arg(&report_path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "the move did not complete");
+
+    src.kill();
+    dst.reattach_console().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    stop_traffic(&dst, TAG).unwrap();
+    stop_traffic(&peer, TAG).unwrap();
+    let (moved, peer_report) = match (collect_report(&dst, TAG), collect_report(&peer, TAG)) {
+        (Ok(m), Ok(p)) => (m, p),
+        (m, p) => {
+            dump_logs(&dst);
+            dump_logs(&peer);
+            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
+        }
+    };
+    eprintln!("moved VM: {moved:?}\npeer: {peer_report:?}");
+    assert_clean("peer", &peer_report, &moved);
+    assert_clean("moved VM", &moved, &peer_report);
+
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(report["final_phase"], "done", "{report:#}");
+    assert_eq!(report["vm_location"], "destination");
+    assert_eq!(report["forced"][0]["phase"], "detach", "{report:#}");
+    let reason = report["forced"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains(&format!("PID {holder} (ibv_rc_pingpong): SIGTERM")),
+        "{reason}"
+    );
+    let detach = &report["timeline"]["phases"][2];
+    assert_eq!(detach["phase"], "detach");
+    assert_eq!(detach["outcome"]["result"], "forced", "{detach:#}");
+    let released = &detach["details"]["forced_release"];
+    assert_eq!(released[0]["pid"], holder, "{detach:#}");
+    assert_eq!(released[0]["released"], true, "{detach:#}");
+    assert!(stdout.contains("forced release"), "{stdout}");
+    // The traffic kept flowing after the move: more than the 2 s before it.
+    assert!(peer_report.received > 3 * 100, "{peer_report:?}");
+}
