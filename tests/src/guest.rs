@@ -4,9 +4,13 @@
 //! namespace, in a process group of its own so that stopping it ends everything it started.
 //! The command line follows TESTBED.md: q35 with two PCIe root ports (rp1, rp2) for hot-plug,
 //! the RDMA NIC as a virtio-net-pci on rp1 backed by tap netdev `nd0`, a virtio-serial port for
-//! the agent, and the serial console and QMP on UNIX sockets in the guest's directory. A
-//! migration destination has the same devices except the NIC (it is plugged after the move)
-//! and waits with `-incoming defer` for the migrator's `migrate-incoming`.
+//! the agent, and the serial console and QMP on UNIX sockets in the guest's directory. Every
+//! guest also has a permanent NIC, `pnic0`: a virtio-net-pci behind its own root port `rp3`,
+//! backed by tap netdev `nd1`, which migrates with the VM and is never unplugged (the path the
+//! `bridge` strategy keeps while the RDMA NIC is away). Behind a root port after `rp1` it
+//! probes after the RDMA NIC, so the RDMA NIC stays `eth0` and the permanent one is `eth1`.
+//! A migration destination has the same devices except the RDMA NIC (it is plugged after the
+//! move) and waits with `-incoming defer` for the migrator's `migrate-incoming`.
 
 use std::fs;
 use std::os::unix::process::CommandExt;
@@ -17,7 +21,10 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use rdmamig_images::init::{AGENT_PORT_NAME, NOT_READY_MARKER, PARAM_IP, PARAM_MAC, READY_MARKER};
+use rdmamig_images::init::{
+    AGENT_PORT_NAME, NOT_READY_MARKER, PARAM_IP, PARAM_MAC, PARAM_PERMANENT_IP,
+    PARAM_PERMANENT_MAC, READY_MARKER,
+};
 use rdmamig_images::Image;
 
 use crate::console::{CommandOutput, Console, ConsoleError};
@@ -140,6 +147,12 @@ pub struct GuestSpec {
     pub mac: String,
     /// The tap (in the test bed's namespace) backing netdev `nd0`.
     pub tap: String,
+    /// The permanent NIC's address with prefix (`10.78.0.11/24`), passed as `rdmamig.ip2=`.
+    pub permanent_ip: String,
+    /// The permanent NIC's MAC, passed as `rdmamig.mac2=` and given to device `pnic0`.
+    pub permanent_mac: String,
+    /// The tap (in the test bed's namespace) backing netdev `nd1` of the permanent NIC.
+    pub permanent_tap: String,
     /// Whether the NIC device `nic0` (on `rp1`) is present at start. A migration destination
     /// has the netdev but no device.
     pub with_nic: bool,
@@ -156,6 +169,14 @@ impl GuestSpec {
     /// The NIC's address without the prefix length (`10.77.0.11`).
     pub fn address(&self) -> &str {
         self.ip.split('/').next().unwrap_or(&self.ip)
+    }
+
+    /// The permanent NIC's address without the prefix length (`10.78.0.11`).
+    pub fn permanent_address(&self) -> &str {
+        self.permanent_ip
+            .split('/')
+            .next()
+            .unwrap_or(&self.permanent_ip)
     }
 }
 
@@ -497,8 +518,9 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         image.initramfs.display().to_string(),
         "-append".into(),
         format!(
-            "console=ttyS0 panic=-1 quiet {PARAM_IP}={} {PARAM_MAC}={}",
-            spec.ip, spec.mac
+            "console=ttyS0 panic=-1 quiet {PARAM_IP}={} {PARAM_MAC}={} \
+             {PARAM_PERMANENT_IP}={} {PARAM_PERMANENT_MAC}={}",
+            spec.ip, spec.mac, spec.permanent_ip, spec.permanent_mac
         ),
         "-chardev".into(),
         format!(
@@ -528,6 +550,18 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         ]);
     }
     args.extend([
+        "-device".into(),
+        "pcie-root-port,id=rp3,slot=3,chassis=3".into(),
+        "-netdev".into(),
+        format!(
+            "tap,id=nd1,ifname={},script=no,downscript=no",
+            spec.permanent_tap
+        ),
+        "-device".into(),
+        format!(
+            "virtio-net-pci,netdev=nd1,mac={},id=pnic0,bus=rp3,romfile=",
+            spec.permanent_mac
+        ),
         "-device".into(),
         "virtio-serial-pci,id=vser0".into(),
         "-chardev".into(),

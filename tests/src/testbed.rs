@@ -2,7 +2,8 @@
 //! temporary directory, and cleans all of them up in `Drop`, panics included.
 //!
 //! A test creates a [`Testbed`], asks it for guest specs (each with a fresh tap on the bridge,
-//! a MAC and an address in 10.77.0.0/24), and starts guests from them. When the test bed is
+//! a MAC and an address in 10.77.0.0/24 for the RDMA NIC, and another tap, MAC and address in
+//! 10.78.0.0/24 for the permanent NIC), and starts guests from them. When the test bed is
 //! dropped while the thread panics (a failed assertion), it prints every guest's console tail
 //! to stderr first. `RDMAMIG_KEEP=1` keeps the temporary directory (sockets, console logs) for
 //! inspection.
@@ -27,6 +28,8 @@ use crate::netns::{self, NetNs, NetnsError};
 pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic", "rdmamig-perf"];
 /// The subnet guests live in (inside the test bed's namespace only).
 pub const SUBNET_PREFIX: &str = "10.77.0";
+/// The subnet of the guests' permanent NICs (same bridge and namespace, separate subnet).
+pub const PERMANENT_SUBNET_PREFIX: &str = "10.78.0";
 /// The first host number handed out (guest a gets .11, b .12, ...).
 const FIRST_HOST: u8 = 11;
 /// Memory per guest, MiB.
@@ -228,7 +231,9 @@ impl Testbed {
     }
 
     /// A spec for a new guest: a new tap, the next address in 10.77.0.0/24 (from .11) and a
-    /// matching MAC `52:54:00:77:00:<host in hex>`, with the NIC present.
+    /// matching MAC `52:54:00:77:00:<host in hex>`, with the NIC present; and for the
+    /// permanent NIC another new tap, the same host number in 10.78.0.0/24 and MAC
+    /// `52:54:00:78:00:<host in hex>`.
     pub fn guest_spec(&self, name: &str) -> Result<GuestSpec, TestbedError> {
         let host = self
             .next_host
@@ -241,18 +246,23 @@ impl Testbed {
             ip: format!("{SUBNET_PREFIX}.{host}/24"),
             mac: format!("52:54:00:77:00:{host:02x}"),
             tap: self.add_tap()?,
+            permanent_ip: format!("{PERMANENT_SUBNET_PREFIX}.{host}/24"),
+            permanent_mac: format!("52:54:00:78:00:{host:02x}"),
+            permanent_tap: self.add_tap()?,
             with_nic: true,
             memory_mib: GUEST_MEMORY_MIB,
             vsock_cid: None,
         })
     }
 
-    /// A spec for the migration destination of `source`: the same address and MAC, a new tap,
-    /// and no NIC device (it is plugged after the move).
+    /// A spec for the migration destination of `source`: the same addresses and MACs, new
+    /// taps for both NICs, and no RDMA NIC device (it is plugged after the move); the
+    /// permanent NIC is there, as on the source.
     pub fn incoming_spec(&self, source: &GuestSpec, name: &str) -> Result<GuestSpec, TestbedError> {
         Ok(GuestSpec {
             name: name.to_owned(),
             tap: self.add_tap()?,
+            permanent_tap: self.add_tap()?,
             with_nic: false,
             ..source.clone()
         })
