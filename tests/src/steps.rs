@@ -188,6 +188,24 @@ pub fn assert_clean(name: &str, r: &Report, sender: &Report) {
     );
 }
 
+/// Ends traffic `tag` between `vm` (the VM that moved, or stayed after a rollback) and
+/// `peer`, and checks both directions with [`assert_clean`]. Prints both reports (and, when
+/// they cannot be collected, the guests' logs first). Returns `vm`'s report and the peer's.
+pub fn finish_clean_flow(vm: &Guest, vm_name: &str, peer: &Guest, tag: &str) -> (Report, Report) {
+    let reports = stop_traffic(vm, tag)
+        .and_then(|()| stop_traffic(peer, tag))
+        .and_then(|()| Ok((collect_report(vm, tag)?, collect_report(peer, tag)?)));
+    let (vm_report, peer_report) = reports.unwrap_or_else(|e| {
+        dump_logs(vm);
+        dump_logs(peer);
+        panic!("{tag}: traffic reports: {e}");
+    });
+    eprintln!("{tag}: {vm_name}: {vm_report:?}\n{tag}: peer: {peer_report:?}");
+    assert_clean("peer", &peer_report, &vm_report);
+    assert_clean(vm_name, &vm_report, &peer_report);
+    (vm_report, peer_report)
+}
+
 /// The `rdmamig migrate` command that moves `src` to the `-incoming` guest `dst` through the
 /// daemon listening on `socket`: NIC `nic0` is unplugged on the source and plugged again,
 /// with the same MAC, on the destination's netdev `nd0`, over a UNIX migration socket.

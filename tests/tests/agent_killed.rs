@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
-    STEP_TIMEOUT,
+    dump_logs, finish_clean_flow, migrate_command, MoveGuests, STEP_TIMEOUT,
 };
 use rdmamig_testbed::{error_chain, Testbed};
 use serde_json::Value;
@@ -90,19 +89,7 @@ fn an_agent_killed_mid_quiesce_is_forced_past_and_the_connection_recovers_on_its
         panic!("the connection did not recover on its own: {recovered:?}");
     }
     std::thread::sleep(Duration::from_secs(2));
-    stop_traffic(&dst, TAG).unwrap();
-    stop_traffic(&peer, TAG).unwrap();
-    let (moved, peer_report) = match (collect_report(&dst, TAG), collect_report(&peer, TAG)) {
-        (Ok(m), Ok(p)) => (m, p),
-        (m, p) => {
-            dump_logs(&dst);
-            dump_logs(&peer);
-            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
-        }
-    };
-    eprintln!("moved VM: {moved:?}\npeer: {peer_report:?}");
-    assert_clean("peer", &peer_report, &moved);
-    assert_clean("moved VM", &moved, &peer_report);
+    let (_, peer_report) = finish_clean_flow(&dst, "moved VM", &peer, TAG);
 
     let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(report["final_phase"], "done", "{report:#}");

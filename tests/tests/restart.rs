@@ -18,9 +18,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
-};
+use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
 use serde_json::Value;
 
@@ -95,19 +93,12 @@ fn kill_at(index: usize, phase: &str, outcome: &str, location: &str) -> String {
     };
 
     std::thread::sleep(Duration::from_secs(3));
-    stop_traffic(mover, TAG).unwrap();
-    stop_traffic(&peer, TAG).unwrap();
-    let (moved, peer_report) = match (collect_report(mover, TAG), collect_report(&peer, TAG)) {
-        (Ok(m), Ok(p)) => (m, p),
-        (m, p) => {
-            dump_logs(mover);
-            dump_logs(&peer);
-            panic!("{phase}: traffic reports: {:?} / {:?}", m.err(), p.err());
-        }
-    };
-    eprintln!("moving VM: {moved:?}\npeer: {peer_report:?}");
-    assert_clean("peer", &peer_report, &moved);
-    assert_clean("moving VM", &moved, &peer_report);
+    let (moved, peer_report) = finish_clean_flow(
+        mover,
+        &format!("moving VM, daemon killed at {phase}"),
+        &peer,
+        TAG,
+    );
 
     assert_eq!(report["final_phase"], outcome, "{phase}: {report}");
     assert_eq!(report["recovered_from"], phase, "{phase}: {report}");

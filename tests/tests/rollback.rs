@@ -8,9 +8,7 @@
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
-};
+use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
 use rdmamig_testbed::{error_chain, Testbed};
 use serde_json::Value;
 
@@ -40,19 +38,7 @@ fn a_migration_cancelled_midway_rolls_back_and_loses_nothing() {
     assert!(stdout.contains("ROLLED BACK"), "{stdout}");
 
     std::thread::sleep(Duration::from_secs(3));
-    stop_traffic(&src, TAG).unwrap();
-    stop_traffic(&peer, TAG).unwrap();
-    let (mover, peer_report) = match (collect_report(&src, TAG), collect_report(&peer, TAG)) {
-        (Ok(m), Ok(p)) => (m, p),
-        (m, p) => {
-            dump_logs(&src);
-            dump_logs(&peer);
-            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
-        }
-    };
-    eprintln!("source: {mover:?}\npeer: {peer_report:?}");
-    assert_clean("peer", &peer_report, &mover);
-    assert_clean("source", &mover, &peer_report);
+    let (_, peer_report) = finish_clean_flow(&src, "source", &peer, TAG);
 
     let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(report["final_phase"], "rolled_back");

@@ -19,9 +19,7 @@ use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, stop_traffic, MoveGuests,
-};
+use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
 use serde_json::Value;
 
@@ -263,20 +261,8 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
     src.kill();
     dst.reattach_console().unwrap();
     std::thread::sleep(Duration::from_secs(3));
-    stop_traffic(&dst, TAG).unwrap();
-    stop_traffic(&peer, TAG).unwrap();
-    let (mover, peer_report) = match (collect_report(&dst, TAG), collect_report(&peer, TAG)) {
-        (Ok(m), Ok(p)) => (m, p),
-        (m, p) => {
-            dump_logs(&dst);
-            dump_logs(&peer);
-            panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
-        }
-    };
-    eprintln!("moved VM: {mover:?}\npeer: {peer_report:?}");
     assert_eq!(code, Some(0), "the move failed: {report:#}");
-    assert_clean("peer", &peer_report, &mover);
-    assert_clean("moved VM", &mover, &peer_report);
+    let (mover, peer_report) = finish_clean_flow(&dst, "moved VM", &peer, TAG);
     // The connection was re-established after the move.
     assert!(mover.connections_established >= 2, "{mover:?}");
 

@@ -9,10 +9,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{
-    assert_clean, collect_report, dump_logs, migrate_command, start_traffic, stop_traffic,
-    wait_ready,
-};
+use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, start_traffic, wait_ready};
 use rdmamig_testbed::{error_chain, Guest, Testbed};
 use serde_json::Value;
 
@@ -97,19 +94,7 @@ fn two_vms_move_concurrently_and_lose_nothing() {
     std::thread::sleep(Duration::from_secs(3));
     for (i, dst) in destinations.iter().enumerate() {
         let tag = format!("flow{i}");
-        stop_traffic(dst, &tag).unwrap();
-        stop_traffic(&peer, &tag).unwrap();
-        let (mover, peer_report) = match (collect_report(dst, &tag), collect_report(&peer, &tag)) {
-            (Ok(m), Ok(p)) => (m, p),
-            (m, p) => {
-                dump_logs(dst);
-                dump_logs(&peer);
-                panic!("traffic reports: {:?} / {:?}", m.err(), p.err());
-            }
-        };
-        eprintln!("{tag}: moved VM {mover:?}\npeer {peer_report:?}");
-        assert_clean("peer", &peer_report, &mover);
-        assert_clean("moved VM", &mover, &peer_report);
+        let (_, peer_report) = finish_clean_flow(dst, "moved VM", &peer, &tag);
         assert!(peer_report.received > 3 * 100, "{peer_report:?}");
     }
 }

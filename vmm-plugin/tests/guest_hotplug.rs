@@ -31,21 +31,8 @@ fn scenario(tb: &Testbed) -> Result<(), Box<dyn std::error::Error>> {
     let vmm = runtime.block_on(QemuVmm::connect(QemuConfig::new(guest.qmp_socket())))?;
     assert!(runtime.block_on(vmm.status())?.running);
 
-    // A raw verbs user keeps the device: ibv_rc_pingpong as a server holds its context
-    // while it waits for a client on TCP port 18515 (0x4853), which it opens only after
-    // its device set-up succeeded. The image's NIC hook may still be settling right after
-    // boot, and a holder that fails its set-up exits at once: start it again (bounded).
-    guest.run_ok(
-        "n=0; while [ $n -lt 5 ]; do \
-           ibv_rc_pingpong -g 1 >/run/holder.log 2>&1 & echo $! > /run/holder.pid; \
-           i=0; while kill -0 $(cat /run/holder.pid) 2>/dev/null && \
-                 ! grep -qi ':4853 ' /proc/net/tcp /proc/net/tcp6 2>/dev/null; do \
-             i=$((i+1)); [ $i -gt 100 ] && break; sleep 0.05; done; \
-           kill -0 $(cat /run/holder.pid) 2>/dev/null && \
-             grep -qi ':4853 ' /proc/net/tcp /proc/net/tcp6 2>/dev/null && exit 0; \
-           n=$((n+1)); sleep 0.2; done; cat /run/holder.log; exit 1",
-        COMMAND_TIMEOUT,
-    )?;
+    // A raw verbs user keeps the device (started once its device set-up succeeded).
+    rdmamig_testbed::steps::start_holder(&guest)?;
     let started = Instant::now();
     let removed = runtime.block_on(vmm.remove_device("nic0", Duration::from_secs(3)));
     let Err(err) = removed else {
