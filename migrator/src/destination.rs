@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
 use crate::agent::Outcomes;
-use crate::mover::{ping, Backends, StepError};
+use crate::mover::{open_agent, Backends, StepError};
 use crate::plan::Endpoint;
 use crate::pool::{device_for, Attachment, Pool};
 
@@ -245,8 +245,12 @@ impl DestinationHost for LocalDestination {
     ) -> Result<Outcomes, StepError> {
         let start = Instant::now();
         let vmm = self.vmm(endpoint).await?;
-        let mut agent = self.backends.agent(vmm.as_ref()).await?;
-        ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
+        let (mut agent, _) = open_agent(
+            self.backends.as_ref(),
+            vmm.as_ref(),
+            deadline.saturating_sub(start.elapsed()),
+        )
+        .await?;
         Ok(agent
             .resume(connections, deadline.saturating_sub(start.elapsed()))
             .await?)

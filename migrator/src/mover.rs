@@ -845,10 +845,10 @@ impl Mover {
             // A fresh session: the old one may hold requests the agent never answered.
             self.agent = None;
             let source = self.source_vmm().await?;
-            let mut agent = self.context.backends.agent(source.as_ref()).await?;
             let budget = self.plan.deadlines.of(Phase::Resume);
             let start = Instant::now();
-            ping(agent.as_mut(), budget).await?;
+            let (mut agent, _) =
+                open_agent(self.context.backends.as_ref(), source.as_ref(), budget).await?;
             let result = agent
                 .resume(&self.ids, budget.saturating_sub(start.elapsed()))
                 .await?;
@@ -996,8 +996,12 @@ impl Mover {
         details.insert("via".into(), self.plan.via.clone().into());
 
         if self.strategy != Strategy::Naive {
-            let mut agent = self.context.backends.agent(source.as_ref()).await?;
-            let version = ping(agent.as_mut(), deadline.saturating_sub(start.elapsed())).await?;
+            let (mut agent, version) = open_agent(
+                self.context.backends.as_ref(),
+                source.as_ref(),
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
             let connections = agent
                 .list_connections(deadline.saturating_sub(start.elapsed()))
                 .await?;
@@ -1395,26 +1399,42 @@ fn connections_lost(failed: &[&ConnectionOutcome], total: usize) -> StepError {
     }
 }
 
-/// Pings a freshly connected agent until it answers or `budget` is spent: a guest may not be
-/// reading its port at the very moment the host connects.
-pub(crate) async fn ping(
-    agent: &mut dyn GuestAgent,
+/// How long to wait before opening the agent's channel again after the guest closed it.
+const REOPEN_PAUSE: Duration = Duration::from_millis(100);
+
+/// Opens a session with `vmm`'s agent and pings it until it answers or `budget` is spent;
+/// returns the session and the agent's version. A guest may not be reading its port at the
+/// very moment the host connects (the ping times out: asked again), and right after a
+/// migration it may drop the host's first connection (the channel closes: opened again).
+pub(crate) async fn open_agent(
+    backends: &dyn Backends,
+    vmm: &dyn Vmm,
     budget: Duration,
-) -> Result<String, AgentError> {
+) -> Result<(Box<dyn GuestAgent>, String), StepError> {
     let end = Instant::now() + budget;
     loop {
-        let left = end.saturating_duration_since(Instant::now());
-        match agent.ping(PING_ATTEMPT.min(left)).await {
-            Err(e) if e.is_timeout() && Instant::now() < end => {
-                tracing::debug!("agent ping timed out; retrying");
+        let mut agent = backends.agent(vmm).await?;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match agent.ping(PING_ATTEMPT.min(left)).await {
+                Ok(version) => return Ok((agent, version)),
+                Err(e) if e.is_timeout() && Instant::now() < end => {
+                    tracing::debug!("agent ping timed out; retrying");
+                }
+                Err(e) if e.is_timeout() => {
+                    return Err(AgentError::TimedOut {
+                        request: "ping",
+                        deadline_ms: millis(budget),
+                    }
+                    .into())
+                }
+                Err(AgentError::Closed { .. }) if Instant::now() + REOPEN_PAUSE < end => {
+                    tracing::debug!("the guest closed the agent channel; opening it again");
+                    tokio::time::sleep(REOPEN_PAUSE).await;
+                    break;
+                }
+                Err(e) => return Err(e.into()),
             }
-            Err(e) if e.is_timeout() => {
-                return Err(AgentError::TimedOut {
-                    request: "ping",
-                    deadline_ms: millis(budget),
-                })
-            }
-            other => return other,
         }
     }
 }

@@ -687,6 +687,19 @@ impl RemoteDestination {
         }
     }
 
+    /// Asks for a duty whose only good answer is `Done`.
+    async fn ask_done(
+        &self,
+        duty: PeerCall,
+        deadline: Duration,
+        name: &'static str,
+    ) -> Result<(), StepError> {
+        match self.ask(duty, deadline).await? {
+            PeerAnswer::Done => Ok(()),
+            _ => Err(self.unexpected(name)),
+        }
+    }
+
     fn unexpected(&self, call: &'static str) -> StepError {
         PeerError::Unexpected {
             peer: self.target.to_string(),
@@ -729,10 +742,7 @@ impl DestinationHost for RemoteDestination {
             endpoint: endpoint.clone(),
             via: via.into(),
         };
-        match self.ask(call, deadline).await? {
-            PeerAnswer::Done => Ok(()),
-            _ => Err(self.unexpected("prepare_receive")),
-        }
+        self.ask_done(call, deadline, "prepare_receive").await
     }
 
     async fn attach(
@@ -787,20 +797,14 @@ impl DestinationHost for RemoteDestination {
         let call = PeerCall::ConfirmReceived {
             endpoint: endpoint.clone(),
         };
-        match self.ask(call, deadline).await? {
-            PeerAnswer::Done => Ok(()),
-            _ => Err(self.unexpected("confirm received")),
-        }
+        self.ask_done(call, deadline, "confirm received").await
     }
 
     async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError> {
         let call = PeerCall::Discard {
             endpoint: endpoint.clone(),
         };
-        match self.ask(call, deadline).await? {
-            PeerAnswer::Done => Ok(()),
-            _ => Err(self.unexpected("discard")),
-        }
+        self.ask_done(call, deadline, "discard").await
     }
 
     async fn release(
@@ -813,10 +817,7 @@ impl DestinationHost for RemoteDestination {
             function: function.into(),
             of: of.clone(),
         };
-        match self.ask(call, deadline).await? {
-            PeerAnswer::Done => Ok(()),
-            _ => Err(self.unexpected("release")),
-        }
+        self.ask_done(call, deadline, "release").await
     }
 }
 
