@@ -226,11 +226,24 @@ impl VmProcess {
         }
     }
 
-    /// The last lines of the console log and QEMU's own log, for failure reports.
+    /// The VM's run state as QEMU reports it, for failure reports (a guest that stopped
+    /// answering its console may be paused, still migrating, or hung while running).
+    fn run_state(&self) -> String {
+        let status = Qmp::connect(&self.dir.join("qmp.sock"), Duration::from_secs(1))
+            .and_then(|mut qmp| qmp.execute("query-status", serde_json::Value::Null));
+        match status {
+            Ok(status) => status.to_string(),
+            Err(e) => format!("unknown ({e})"),
+        }
+    }
+
+    /// The VM's run state and the last lines of the console log and QEMU's own log, for
+    /// failure reports.
     pub(crate) fn dump(&self) -> String {
         format!(
-            "===== guest {} console ({}) =====\n{}\n===== guest {} qemu log =====\n{}",
+            "===== guest {} ({}) console ({}) =====\n{}\n===== guest {} qemu log =====\n{}",
             self.name,
+            self.run_state(),
             self.dir.join("console.log").display(),
             tail(&self.dir.join("console.log"), DUMP_LINES),
             self.name,

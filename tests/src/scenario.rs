@@ -461,7 +461,7 @@ fn step<T>(
     result.map_err(|source| ScenarioError::Step {
         guest: guest.name().into(),
         what,
-        reason: source.to_string(),
+        reason: crate::error_chain(source.as_ref()),
     })
 }
 
