@@ -52,8 +52,9 @@ pub enum RegistryError {
 pub(crate) trait Migratable: Send + Sync {
     /// The connection's snapshot (None for listeners).
     fn describe(&self) -> Option<ConnectionInfo>;
-    /// Quiesce within `deadline`.
-    fn quiesce(&self, deadline: Instant) -> Result<(), String>;
+    /// Quiesce within `deadline`; with `bridge`, a connection carries its messages over its
+    /// TCP bridge until the RDMA path is back.
+    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), String>;
     /// Resume within `deadline`.
     fn resume(&self, deadline: Instant) -> Result<(), String>;
     /// Listeners are quiesced after and resumed before connections.
@@ -122,12 +123,13 @@ pub fn handle(request: &AgentToApp) -> Option<AppToAgent> {
         AgentToApp::Quiesce {
             request,
             deadline_ms,
+            bridge,
         } => {
             let deadline = Instant::now() + Duration::from_millis(deadline_ms);
             let (listeners, conns): (Vec<_>, Vec<_>) =
                 all.into_iter().partition(|c| c.is_listener());
-            let mut outcomes = run_all(&conns, |c| c.quiesce(deadline));
-            outcomes.extend(run_all(&listeners, |l| l.quiesce(deadline)));
+            let mut outcomes = run_all(&conns, |c| c.quiesce(deadline, bridge));
+            outcomes.extend(run_all(&listeners, |l| l.quiesce(deadline, bridge)));
             AppToAgent::Reply {
                 request,
                 body: AppReply::Outcomes { outcomes },

@@ -143,6 +143,7 @@ pub trait GuestAgent: Send {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
+        bridge: bool,
     ) -> Result<Outcomes, AgentError>;
     /// Resumes every connection; `known` as for quiesce.
     async fn resume(
@@ -176,8 +177,9 @@ impl GuestAgent for AgentClient {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
+        bridge: bool,
     ) -> Result<Outcomes, AgentError> {
-        AgentClient::quiesce(self, known, deadline).await
+        AgentClient::quiesce(self, known, deadline, bridge).await
     }
 
     async fn resume(
@@ -259,9 +261,11 @@ impl AgentClient {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
+        bridge: bool,
     ) -> Result<Outcomes, AgentError> {
         let command = AgentCommand::Quiesce {
             deadline_ms: agent_budget(deadline),
+            bridge,
         };
         let answer = self.request(command, deadline).await?;
         outcomes("quiesce", answer, known)
@@ -488,6 +492,7 @@ mod tests {
             last_sent: 0,
             last_received: 0,
             unacked: 0,
+            bridge: false,
         }
     }
 
@@ -522,7 +527,10 @@ mod tests {
             let req = read_request(&mut guest).await;
             assert!(matches!(
                 req.command,
-                AgentCommand::Quiesce { deadline_ms: 900 }
+                AgentCommand::Quiesce {
+                    deadline_ms: 900,
+                    bridge: false
+                }
             ));
             let outcomes = vec![ok(7), ok(9)];
             answer(
@@ -557,7 +565,7 @@ mod tests {
             .map(|c| c.id)
             .collect();
         assert_eq!(ids, [7, 9]);
-        let q = host.quiesce(&ids, SECOND).await.unwrap();
+        let q = host.quiesce(&ids, SECOND, false).await.unwrap();
         assert_eq!(
             (q.outcomes.len(), q.elapsed_ms, q.failed().count()),
             (2, 3, 0)
@@ -592,7 +600,7 @@ mod tests {
             )
             .await;
         });
-        let err = host.quiesce(&[7], SECOND).await.unwrap_err();
+        let err = host.quiesce(&[7], SECOND, false).await.unwrap_err();
         assert!(
             matches!(
                 err,

@@ -356,6 +356,7 @@ impl GuestAgent for FakeAgent {
                 last_sent: 0,
                 last_received: 0,
                 unacked: 0,
+                bridge: false,
             })
             .collect())
     }
@@ -364,6 +365,7 @@ impl GuestAgent for FakeAgent {
         &mut self,
         known: &[ConnectionId],
         _deadline: Duration,
+        _bridge: bool,
     ) -> Result<Outcomes, AgentError> {
         let fault = self.host.call("agent.quiesce");
         if fault == Some(Fault::Timeout) {

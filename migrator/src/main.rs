@@ -287,7 +287,9 @@ struct MigrateArgs {
     #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
     local: bool,
     /// How the connections get through the move. reconnect: quiesce and resume every
-    /// connection through the guest agent; naive: unplug, migrate, plug, nothing else;
+    /// connection through the guest agent; bridge: as reconnect, but connections opened
+    /// with a TCP bridge carry their messages over it (over a NIC that moves with the VM)
+    /// while the RDMA path is away; naive: unplug, migrate, plug, nothing else;
     /// vfio-migrate: the VMM moves the function's device state (needs --source-function
     /// naming a VF whose device supports VFIO migration, refused before anything changes
     /// otherwise; never run on hardware); auto: vfio-migrate when VFIO says the

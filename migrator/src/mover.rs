@@ -1024,12 +1024,13 @@ impl Mover {
             ));
         }
         let ids = self.ids.clone();
+        let bridge = self.strategy == Strategy::Bridge;
         let result = match self.agent.as_mut() {
-            Some(agent) => agent.quiesce(&ids, deadline).await,
+            Some(agent) => agent.quiesce(&ids, deadline, bridge).await,
             None => {
                 let source = self.source_vmm().await?;
                 let mut agent = self.context.backends.agent(source.as_ref()).await?;
-                let result = agent.quiesce(&ids, deadline).await;
+                let result = agent.quiesce(&ids, deadline, bridge).await;
                 self.agent = Some(agent);
                 result
             }

@@ -20,6 +20,9 @@ use crate::machine::{Phase, UnknownPhase};
 pub enum Strategy {
     /// Quiesce every connection through the guest agent, move, and resume them.
     Reconnect,
+    /// As reconnect, but connections with a TCP bridge (over a NIC that moves with the VM)
+    /// carry their messages over it from the quiesce until the RDMA path is back.
+    Bridge,
     /// The baseline operators use today: unplug, migrate, plug; no agent, no quiesce.
     Naive,
     /// The VMM moves the passthrough function's device state (VFIO migration uAPI v2); the
@@ -35,6 +38,7 @@ impl std::fmt::Display for Strategy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Strategy::Reconnect => "reconnect",
+            Strategy::Bridge => "bridge",
             Strategy::Naive => "naive",
             Strategy::VfioMigrate => "vfio-migrate",
             Strategy::Auto => "auto",

@@ -117,7 +117,7 @@ pub fn choose(
 ) -> Result<Choice, StrategyError> {
     let verdict = function.map(|(name, support)| (name, support.why_not()));
     match (asked, verdict) {
-        (Strategy::Reconnect | Strategy::Naive, _) => Ok(Choice {
+        (Strategy::Reconnect | Strategy::Bridge | Strategy::Naive, _) => Ok(Choice {
             strategy: asked,
             reason: "asked for".into(),
         }),
@@ -228,7 +228,7 @@ mod tests {
             Strategy::VfioMigrate
         );
         // What was asked for explicitly runs as asked.
-        for asked in [Strategy::Reconnect, Strategy::Naive] {
+        for asked in [Strategy::Reconnect, Strategy::Bridge, Strategy::Naive] {
             assert_eq!(choose(asked, None).unwrap().strategy, asked);
         }
     }

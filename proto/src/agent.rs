@@ -30,6 +30,10 @@ pub enum AgentCommand {
     Quiesce {
         /// Time the agent may take, in milliseconds.
         deadline_ms: u64,
+        /// Strategy `bridge`: connections with a TCP bridge carry their messages over it
+        /// until the RDMA path is back (the others quiesce as for `reconnect`).
+        #[serde(default)]
+        bridge: bool,
     },
     /// Wait for the (new) RDMA device and reconnect every quiesced connection.
     Resume {
@@ -142,6 +146,9 @@ pub struct ConnectionInfo {
     pub last_received: u64,
     /// Messages sent but not yet acknowledged by the peer.
     pub unacked: u64,
+    /// A TCP bridge is open beside the RDMA path (strategy `bridge` can carry it).
+    #[serde(default)]
+    pub bridge: bool,
 }
 
 /// A guest process that held an RDMA device when the forced release came, and what the
@@ -181,7 +188,10 @@ mod tests {
         for command in [
             AgentCommand::Ping,
             AgentCommand::ListConnections,
-            AgentCommand::Quiesce { deadline_ms: 5000 },
+            AgentCommand::Quiesce {
+                deadline_ms: 5000,
+                bridge: true,
+            },
             AgentCommand::Resume { deadline_ms: 9000 },
             AgentCommand::ReleaseDevice {
                 grace_ms: 1000,

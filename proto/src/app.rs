@@ -63,6 +63,10 @@ pub enum AgentToApp {
         request: u64,
         /// Time allowed, in milliseconds.
         deadline_ms: u64,
+        /// Carry messages over the TCP bridges until the RDMA path is back (strategy
+        /// `bridge`).
+        #[serde(default)]
+        bridge: bool,
     },
     /// Reconnect every quiesced connection on the current device within the deadline.
     Resume {

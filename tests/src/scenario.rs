@@ -30,6 +30,9 @@ const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
 pub enum Strategy {
     /// rdmamig's coordinated move: quiesce, detach, migrate, attach, resume.
     Reconnect,
+    /// As reconnect, with every connection's messages carried over a TCP bridge on the
+    /// guests' permanent NICs from the quiesce until the RDMA path is back.
+    Bridge,
     /// What operators do today: unplug, migrate, plug; applications reconnect on their own.
     Naive,
 }
@@ -39,6 +42,7 @@ impl Strategy {
     pub fn migrator_name(self) -> &'static str {
         match self {
             Strategy::Reconnect => "reconnect",
+            Strategy::Bridge => "bridge",
             Strategy::Naive => "naive",
         }
     }
@@ -46,7 +50,7 @@ impl Strategy {
     /// The traffic tool's connection mode for the strategy.
     fn traffic_mode(self) -> &'static str {
         match self {
-            Strategy::Reconnect => "migratable",
+            Strategy::Reconnect | Strategy::Bridge => "migratable",
             Strategy::Naive => "plain",
         }
     }
@@ -296,13 +300,22 @@ pub fn run(
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;
     let processes = config.processes.max(1);
     for i in 0..processes {
-        let server = format!("{}:{}", peer_spec.address(), TRAFFIC_PORT + i as u16);
-        let common = format!(
+        let port = TRAFFIC_PORT + i as u16;
+        let server = format!("{}:{port}", peer_spec.address());
+        let mut common = format!(
             "--mode {} --rate {} --connections {}",
             config.strategy.traffic_mode(),
             config.rate,
             config.connections
         );
+        if config.strategy == Strategy::Bridge {
+            // Both ends name the peer's bridge: the server listens there, the client
+            // connects to it.
+            common.push_str(&format!(
+                " --bridge {}:{port}",
+                peer_spec.permanent_address()
+            ));
+        }
         for (guest, args) in [
             (&peer, format!("serve --listen {server} {common}")),
             (&src, format!("connect --to {server} {common}")),
@@ -525,6 +538,7 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
              sent by the other side / received     {} / {}\n    \
              lost / duplicated / reordered          {} / {} / {}\n    \
              connections established               {}\n    \
+             sent over the TCP bridge              {}\n    \
              errors seen                           {}\n",
             r.max_gap_ms,
             r.max_gap_end_time,
@@ -534,6 +548,7 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
             r.duplicated,
             r.reordered,
             r.connections_established,
+            sender.bridged,
             if r.errors.is_empty() {
                 "none".to_string()
             } else {

@@ -1,9 +1,10 @@
 //! End-to-end: a VM with live RDMA traffic both ways moves to another QEMU process through
 //! the rdmamig daemon and CLI, on the test bed.
 //!
-//! - The coordinated move (`reconnect`) must lose, duplicate and reorder nothing, the peer
-//!   must see no error, traffic must go on after the move, and every phase must be in the
-//!   timeline.
+//! - The coordinated moves (`reconnect`, and `bridge` with a TCP bridge on the guests'
+//!   permanent NICs) must lose, duplicate and reorder nothing, the peer must see no error,
+//!   traffic must go on after the move, and every phase must be in the timeline. With
+//!   `bridge`, both sides must have carried messages over the bridge.
 //! - The naive move (unplug, migrate, plug; traffic over a plain rdma_cm connection that
 //!   reconnects on its own) is recorded beside it: what it lost and its largest gap.
 //!
@@ -28,6 +29,29 @@ fn run(strategy: Strategy) -> ScenarioOutcome {
 #[test]
 fn coordinated_move_loses_nothing_and_the_peer_sees_no_error() {
     let o = run(Strategy::Reconnect);
+    assert_coordinated(&o);
+    assert_eq!(
+        o.peer.bridged + o.mover.bridged,
+        0,
+        "no bridge was configured"
+    );
+}
+
+#[test]
+fn bridged_move_loses_nothing_and_carries_traffic_over_tcp() {
+    let o = run(Strategy::Bridge);
+    assert_coordinated(&o);
+    for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
+        assert!(
+            report.bridged > 0,
+            "the {name} sent nothing over the bridge: {report:?}"
+        );
+    }
+}
+
+/// What every coordinated move must show: each phase ok, every connection quiesced and
+/// resumed, nothing lost, duplicated or reordered either way, no error, traffic after.
+fn assert_coordinated(o: &ScenarioOutcome) {
     assert!(o.move_succeeded, "the move failed:\n{}", o.move_output);
 
     let report = o

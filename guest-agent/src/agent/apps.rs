@@ -349,6 +349,7 @@ mod tests {
             last_sent: 0,
             last_received: 0,
             unacked: 0,
+            bridge: false,
         }
     }
 
@@ -422,6 +423,7 @@ mod tests {
             |request| AgentToApp::Quiesce {
                 request,
                 deadline_ms: 100,
+                bridge: false,
             },
             Instant::now() + Duration::from_secs(5),
         );
@@ -518,6 +520,7 @@ mod tests {
             |request| AgentToApp::Quiesce {
                 request,
                 deadline_ms: 100,
+                bridge: false,
             },
             Instant::now() + Duration::from_millis(200),
         );

@@ -57,18 +57,25 @@ impl Agent {
             AgentCommand::ListConnections => AgentResult::Connections {
                 connections: self.apps.describe(DESCRIBE_TIMEOUT),
             },
-            AgentCommand::Quiesce { deadline_ms } => {
+            AgentCommand::Quiesce {
+                deadline_ms,
+                bridge,
+            } => {
                 let deadline = deadline_from(started, deadline_ms);
                 // Refresh what each process owns, so a process that then stops answering
                 // is still reported connection by connection.
                 let connections = self
                     .apps
                     .describe(DESCRIBE_TIMEOUT.min(Duration::from_millis(deadline_ms / 4)));
-                info!(connections = connections.len(), deadline_ms, "quiescing");
+                info!(
+                    connections = connections.len(),
+                    deadline_ms, bridge, "quiescing"
+                );
                 let outcomes = self.apps.drive(
                     |request| AgentToApp::Quiesce {
                         request,
                         deadline_ms: remaining_ms(deadline),
+                        bridge,
                     },
                     deadline,
                 );
@@ -209,7 +216,10 @@ mod tests {
     #[test]
     fn quiesce_with_no_applications_succeeds_with_no_outcomes() {
         let (agent, _sysfs) = agent();
-        match agent.handle(AgentCommand::Quiesce { deadline_ms: 1000 }) {
+        match agent.handle(AgentCommand::Quiesce {
+            deadline_ms: 1000,
+            bridge: false,
+        }) {
             AgentResult::Outcomes { outcomes, .. } => assert!(outcomes.is_empty()),
             other => panic!("expected outcomes, got {other:?}"),
         }

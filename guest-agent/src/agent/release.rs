@@ -83,9 +83,12 @@ pub fn release(
         let until = deadline.min(Instant::now() + grace);
         let remaining = until.saturating_duration_since(Instant::now()).as_millis() as u64;
         apps.drive(
+            // A process already bridging keeps its bridge: this quiesce only drops the
+            // device context again.
             |request| AgentToApp::Quiesce {
                 request,
                 deadline_ms: remaining,
+                bridge: false,
             },
             until,
         );

@@ -168,6 +168,10 @@ struct Common {
     /// Rewrite this file with the run's counters (JSON) every 250 ms.
     #[arg(long)]
     progress_file: Option<PathBuf>,
+    /// The TCP bridge (strategy `bridge`), on an address of a NIC that moves with the VM:
+    /// serve listens for bridges there, connect opens one to the peer's (migratable mode).
+    #[arg(long)]
+    bridge: Option<SocketAddr>,
 }
 
 fn main() {
@@ -272,6 +276,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
             peer_wait: Duration::from_secs(c.peer_wait_s),
             ack_timeout: c.ack_timeout,
             max_message,
+            bridge: c.bridge,
             ..ConnectOptions::default()
         },
         one_sided,
@@ -354,6 +359,7 @@ fn ctl_inner(
         "quiesce" => AgentToApp::Quiesce {
             request: 1,
             deadline_ms,
+            bridge: false,
         },
         _ => AgentToApp::Resume {
             request: 1,

@@ -1,12 +1,15 @@
 //! The listener: accepts new connections (HELLO) and routes RESUME connect requests to the
-//! existing connection they name, after checking its token.
+//! existing connection they name, after checking its token; with a bridge address it also
+//! routes the connections' TCP bridges (BRIDGE records) the same way.
 //!
 //! A listener thread owns the event channel and the listening cm id. Quiesce releases the
 //! listening id (it holds the device's context); resume binds and listens again, retrying
-//! until the address exists on the new device.
+//! until the address exists on the new device. The bridge listener has a thread of its own
+//! and holds no device, so it listens throughout.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -14,7 +17,8 @@ use std::time::{Duration, Instant};
 use rdmamig_proto::agent::{ConnectionInfo, Role};
 use rdmamig_proto::ConnectionId;
 
-use super::wire::{token_eq, PrivateData, Reject, RejectReason};
+use super::bridge::Bridge;
+use super::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
 use super::worker::{self, Start};
 use super::{Command, ConnError, ConnShared, ConnectOptions, Connection};
 use crate::registry::{self, Migratable};
@@ -61,7 +65,8 @@ impl Migratable for ListenerShared {
         None
     }
 
-    fn quiesce(&self, deadline: Instant) -> Result<(), String> {
+    /// The TCP bridge listener stays: it holds no device.
+    fn quiesce(&self, deadline: Instant, _bridge: bool) -> Result<(), String> {
         let (tx, rx) = mpsc::channel();
         self.request(ListenerCommand::Quiesce(tx), rx, deadline)
     }
@@ -102,6 +107,17 @@ impl Listener {
             op: "listening",
             source,
         })?;
+        let bridge = opts
+            .bridge
+            .map(|addr| {
+                TcpListener::bind(addr)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .map_err(|e| ConnError::Bridge {
+                        addr,
+                        reason: format!("listening: {e}"),
+                    })
+            })
+            .transpose()?;
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(ListenerShared {
             addr,
@@ -130,6 +146,16 @@ impl Listener {
                 what: "listener thread",
                 source,
             })?;
+        if let Some(bridge) = bridge {
+            let weak = Arc::downgrade(&shared);
+            std::thread::Builder::new()
+                .name("rdmamig-bridges".into())
+                .spawn(move || serve_bridges(bridge, weak))
+                .map_err(|source| ConnError::Spawn {
+                    what: "bridge listener thread",
+                    source,
+                })?;
+        }
         if opts.register {
             let arc: Arc<dyn Migratable> = shared.clone();
             registry::register(Arc::downgrade(&arc));
@@ -187,6 +213,76 @@ impl Drop for Listener {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
+    }
+}
+
+/// The bridge listener's thread: accepts TCP streams until the listener is dropped, and
+/// hands each, once its BRIDGE record names a connection of this listener with the right
+/// token, to that connection. One stream is set up at a time; each step is bounded by the
+/// bridge's set-up timeout.
+fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>) {
+    loop {
+        let Some(strong) = shared.upgrade() else {
+            return;
+        };
+        match listener.accept() {
+            Ok((stream, from)) => route_bridge(stream, from, &strong),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Not holding the listener while idle: dropping it ends this thread.
+                drop(strong);
+                let mut fds = [nix::poll::PollFd::new(
+                    listener.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "bridge listener: accept failed");
+                std::thread::sleep(RELISTEN_INTERVAL);
+            }
+        }
+    }
+}
+
+fn route_bridge(mut stream: TcpStream, from: SocketAddr, shared: &ListenerShared) {
+    let refuse = |stream, hello: &Hello, reason| {
+        Bridge::refuse(
+            stream,
+            Reject {
+                conn_id: hello.conn_id,
+                reason,
+            },
+        )
+    };
+    let hello = match Bridge::read_greeting(&mut stream) {
+        Ok(hello) => hello,
+        Err(e) => {
+            tracing::warn!(%from, error = %e, "bridge refused");
+            let reject = Reject {
+                conn_id: 0,
+                reason: RejectReason::Malformed,
+            };
+            Bridge::refuse(stream, reject);
+            return;
+        }
+    };
+    let existing = shared
+        .routes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&hello.conn_id)
+        .and_then(|w| w.upgrade());
+    let Some(conn) = existing else {
+        refuse(stream, &hello, RejectReason::UnknownConnection);
+        return;
+    };
+    if !token_eq(&conn.token, &hello.token) {
+        tracing::warn!(%from, conn = format_args!("{:016x}", hello.conn_id), "bridge with a wrong token refused");
+        refuse(stream, &hello, RejectReason::BadToken);
+        return;
+    }
+    if let Err(Command::Bridge { stream, .. }) = conn.command(Command::Bridge { stream, hello }) {
+        refuse(stream, &hello, RejectReason::Gone);
     }
 }
 

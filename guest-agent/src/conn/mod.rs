@@ -68,6 +68,7 @@
 //! (naming `flush_writes` or `read`), and the connection's own errors.
 
 mod asynchronous;
+mod bridge;
 mod credits;
 mod failure;
 mod listener;
@@ -127,6 +128,11 @@ pub struct ConnectOptions {
     pub close_timeout: Duration,
     /// Register with the agent (see [`crate::registry`]).
     pub register: bool,
+    /// The TCP bridge (strategy `bridge`), over an address of a NIC that moves with the VM:
+    /// a listener accepts bridges on it, a connecting side opens one to the peer's. Both
+    /// ends need it; then a move with strategy `bridge` carries the messages over TCP
+    /// while the RDMA path is rebuilt.
+    pub bridge: Option<SocketAddr>,
 }
 
 impl Default for ConnectOptions {
@@ -144,6 +150,7 @@ impl Default for ConnectOptions {
             reconnect_interval: Duration::from_millis(150),
             close_timeout: Duration::from_secs(5),
             register: true,
+            bridge: None,
         }
     }
 }
@@ -174,6 +181,14 @@ pub enum ConnError {
         /// quiesce, resume or close.
         op: &'static str,
         /// Why (names the deadline when one passed).
+        reason: String,
+    },
+    /// The TCP bridge could not be set up (listening on, or connecting to, `addr`).
+    #[error("the bridge at {addr} could not be set up: {reason}")]
+    Bridge {
+        /// The bridge address.
+        addr: SocketAddr,
+        /// Why.
         reason: String,
     },
     /// Connecting did not succeed before the connect deadline.
@@ -335,6 +350,8 @@ pub struct ConnStats {
     pub duplicates_dropped: u64,
     /// One-sided operations (WRITE, READ) posted again on a new QP.
     pub onesided_replayed: u64,
+    /// Messages sent over the TCP bridge.
+    pub bridged: u64,
     /// Link-level events the connection recovered from (not errors for the application).
     pub link_events: Vec<String>,
 }
@@ -363,11 +380,15 @@ pub(crate) struct State {
     pub(crate) stats: ConnStats,
     /// Exposed buffers, the peer's map and the queue of WRITEs and READs.
     pub(crate) onesided: onesided::OneSided,
+    /// A TCP bridge is open.
+    pub(crate) bridge_up: bool,
 }
 
 pub(crate) enum Command {
     Quiesce {
         deadline: Instant,
+        /// Carry messages over the bridge until the RDMA path is back.
+        bridge: bool,
         reply: mpsc::Sender<Result<(), String>>,
     },
     Resume {
@@ -376,6 +397,11 @@ pub(crate) enum Command {
     },
     Incoming {
         id: CmId,
+        hello: Hello,
+    },
+    /// A bridge stream whose greeting named this connection (token checked).
+    Bridge {
+        stream: std::net::TcpStream,
         hello: Hello,
     },
     Close {
@@ -430,6 +456,7 @@ impl ConnShared {
                 peer: String::new(),
                 stats: ConnStats::default(),
                 onesided: Default::default(),
+                bridge_up: false,
             }),
             cond: Condvar::new(),
             changed_async: tokio::sync::Notify::new(),
@@ -504,6 +531,7 @@ impl ConnShared {
             last_sent: st.next_seq - 1,
             last_received: st.last_received,
             unacked: st.outbox.len() as u64,
+            bridge: st.bridge_up,
         }
     }
 }
@@ -513,8 +541,15 @@ impl Migratable for ConnShared {
         Some(self.info())
     }
 
-    fn quiesce(&self, deadline: Instant) -> Result<(), String> {
-        self.request(|reply| Command::Quiesce { deadline, reply }, deadline)
+    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), String> {
+        self.request(
+            |reply| Command::Quiesce {
+                deadline,
+                bridge,
+                reply,
+            },
+            deadline,
+        )
     }
 
     fn resume(&self, deadline: Instant) -> Result<(), String> {
@@ -735,9 +770,10 @@ impl Connection {
         self.shared.lock().stats.clone()
     }
 
-    /// Quiesces this connection (as the agent would): see the module docs.
-    pub fn quiesce(&self, timeout: Duration) -> Result<(), ConnError> {
-        self.control("quiesce", timeout, |sh, d| sh.quiesce(d))
+    /// Quiesces this connection (as the agent would): see the module docs. With `bridge`,
+    /// messages go on over the TCP bridge (if one is open) until the RDMA path is back.
+    pub fn quiesce(&self, timeout: Duration, bridge: bool) -> Result<(), ConnError> {
+        self.control("quiesce", timeout, |sh, d| sh.quiesce(d, bridge))
     }
 
     /// Resumes this connection (as the agent would).

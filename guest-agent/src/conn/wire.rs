@@ -1,5 +1,6 @@
-//! The migratable connection's wire formats: the header inside every RDMA SEND and the
-//! HELLO / RESUME / ACCEPT / REJECT records carried in rdma_cm private data.
+//! The migratable connection's wire formats: the header inside every RDMA SEND (and every
+//! frame on the TCP bridge) and the HELLO / RESUME / ACCEPT / REJECT records carried in
+//! rdma_cm private data (BRIDGE opens the TCP bridge the same way).
 //!
 //! Decoders check first and parse second: a short buffer is [`WireError::Incomplete`]
 //! (separate from protocol errors), a bad tag or length is a typed error, and no input
@@ -100,6 +101,9 @@ impl Kind {
 
 /// Flag on PAUSE: the pausing side is about to move (the peer waits for its resume).
 pub const FLAG_MOVING: u8 = 1;
+/// Flag on PAUSE: carry messages over the TCP bridge until the RDMA path is back (strategy
+/// `bridge`).
+pub const FLAG_BRIDGE: u8 = 2;
 
 /// The fixed header of every message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -283,6 +287,8 @@ pub enum PrivateData {
     Accept(Accept),
     /// Why a connect request was refused.
     Reject(Reject),
+    /// Opens the TCP bridge of an existing connection (the first bytes on the stream).
+    Bridge(Hello),
 }
 
 /// HELLO and RESUME: who connects and what it has.
@@ -339,6 +345,7 @@ const TAG_HELLO: u8 = 1;
 const TAG_RESUME: u8 = 2;
 const TAG_ACCEPT: u8 = 3;
 const TAG_REJECT: u8 = 4;
+const TAG_BRIDGE: u8 = 5;
 const HELLO_LEN: usize = 4 + 8 + 16 + 8 + 2;
 const ACCEPT_LEN: usize = 4 + 8 + 8 + 2;
 const REJECT_LEN: usize = 4 + 8 + 1;
@@ -350,11 +357,11 @@ impl PrivateData {
         out.extend_from_slice(&PD_MAGIC);
         out.push(PD_VERSION);
         match self {
-            PrivateData::Hello(h) | PrivateData::Resume(h) => {
-                out.push(if matches!(self, PrivateData::Hello(_)) {
-                    TAG_HELLO
-                } else {
-                    TAG_RESUME
+            PrivateData::Hello(h) | PrivateData::Resume(h) | PrivateData::Bridge(h) => {
+                out.push(match self {
+                    PrivateData::Hello(_) => TAG_HELLO,
+                    PrivateData::Resume(_) => TAG_RESUME,
+                    _ => TAG_BRIDGE,
                 });
                 out.extend_from_slice(&h.conn_id.to_be_bytes());
                 out.extend_from_slice(&h.token);
@@ -403,7 +410,7 @@ impl PrivateData {
             u64::from_be_bytes(b)
         };
         match buf[3] {
-            tag @ (TAG_HELLO | TAG_RESUME) => {
+            tag @ (TAG_HELLO | TAG_RESUME | TAG_BRIDGE) => {
                 need(HELLO_LEN)?;
                 let mut token = [0u8; 16];
                 token.copy_from_slice(&buf[12..28]);
@@ -413,10 +420,10 @@ impl PrivateData {
                     last_received: u64_at(28),
                     credits: u16::from_be_bytes([buf[36], buf[37]]),
                 };
-                Ok(if tag == TAG_HELLO {
-                    PrivateData::Hello(h)
-                } else {
-                    PrivateData::Resume(h)
+                Ok(match tag {
+                    TAG_HELLO => PrivateData::Hello(h),
+                    TAG_RESUME => PrivateData::Resume(h),
+                    _ => PrivateData::Bridge(h),
                 })
             }
             TAG_ACCEPT => {
@@ -603,7 +610,7 @@ mod tests {
         }
 
         #[test]
-        fn private_data_round_trips(conn_id: u64, token: [u8; 16], last: u64, credits: u16, which in 0u8..4, reason in 1u8..7) {
+        fn private_data_round_trips(conn_id: u64, token: [u8; 16], last: u64, credits: u16, which in 0u8..5, reason in 1u8..7) {
             let reason = match reason { 1 => RejectReason::UnknownConnection, 2 => RejectReason::BadToken,
                 3 => RejectReason::Gone, 4 => RejectReason::Malformed, 5 => RejectReason::Other, _ => RejectReason::Busy };
             let hello = Hello { conn_id, token, last_received: last, credits };
@@ -611,6 +618,7 @@ mod tests {
                 0 => PrivateData::Hello(hello),
                 1 => PrivateData::Resume(hello),
                 2 => PrivateData::Accept(Accept { conn_id, last_received: last, credits }),
+                3 => PrivateData::Bridge(hello),
                 _ => PrivateData::Reject(Reject { conn_id, reason }),
             };
             let bytes = pd.encode();

@@ -1,5 +1,6 @@
-//! The connection's worker thread: owns every verbs object of one connection and runs its
-//! state machine (connect / accept, data path, quiesce, resume, replay, close).
+//! The connection's worker thread: owns every verbs object of one connection and its TCP
+//! bridge, and runs its state machine (connect / accept, data path, quiesce, resume, replay,
+//! bridging, close).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -9,13 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use rdmamig_proto::agent::ConnectionState;
+use rdmamig_proto::agent::{ConnectionState, Role};
 
+use super::bridge::Bridge;
 use super::credits::{classify, Arrival, Credits};
 use super::onesided::{remote_access, OpKind};
 use super::wire::{
-    Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_MOVING,
-    HEADER_LEN, REGION_ENTRY_LEN,
+    Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_BRIDGE,
+    FLAG_MOVING, HEADER_LEN, REGION_ENTRY_LEN,
 };
 use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
 use crate::verbs::{
@@ -41,6 +43,11 @@ const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
 const TICK_MS: u16 = 100;
 /// How often the device list is refreshed while the connection holds no device.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+/// While bridging, the longest the worker waits on rdma_cm before serving the bridge again
+/// (the RDMA path is rebuilt while the bridge carries the traffic).
+const BRIDGE_SLICE: Duration = Duration::from_millis(2);
+/// Pause between attempts of the active side to open a lost bridge again.
+const BRIDGE_RETRY: Duration = Duration::from_secs(1);
 
 type Reply = mpsc::Sender<Result<(), String>>;
 
@@ -78,6 +85,9 @@ pub(crate) fn spawn(
                 rx,
                 chan,
                 link: None,
+                bridge: None,
+                bridging: false,
+                next_bridge_attempt: Instant::now(),
                 down: Down::Awaiting {
                     until: Instant::now(),
                 },
@@ -159,6 +169,8 @@ pub(crate) fn build_endpoint(
 struct Pause {
     sent: bool,
     got_ack: bool,
+    /// The PAUSE asks the peer to carry on over the bridge.
+    bridge: bool,
 }
 
 struct Link {
@@ -182,6 +194,8 @@ struct Link {
     pause: Option<Pause>,
     /// When the peer's PAUSE arrived.
     peer_paused: Option<Instant>,
+    /// The peer's PAUSE asked to carry on over the bridge.
+    peer_bridging: bool,
     owe_pause_ack: bool,
     pause_ack_sent: bool,
     close_sent: bool,
@@ -330,6 +344,12 @@ struct Worker {
     // Field order matters for Drop: the link (QP, CQ, MRs, PD, id) before the channel.
     link: Option<Link>,
     chan: EventChannel,
+    bridge: Option<Bridge>,
+    /// This side sends its messages over the bridge (from its quiesce with `bridge`, or the
+    /// peer's PAUSE asking for it, until a new RDMA link is installed).
+    bridging: bool,
+    /// When the active side may try to open a lost bridge again.
+    next_bridge_attempt: Instant,
     down: Down,
     peer: Option<SocketAddr>,
     quiesce_op: Option<(Instant, Reply)>,
@@ -398,6 +418,11 @@ impl Worker {
                 loop {
                     match self.attempt(false) {
                         Ok(()) => {
+                            if let Err(err) = self.open_bridge() {
+                                let _ = ready.send(Err(err));
+                                self.fail(Failure::Setup("opening the bridge".into()));
+                                return;
+                            }
                             let _ = ready.send(Ok(()));
                             return;
                         }
@@ -448,7 +473,11 @@ impl Worker {
             // must be seen before its DISCONNECTED event, or a clean close would look like a
             // broken link (and the resume that follows would be refused).
             self.handle_completions();
+            if self.link.as_ref().is_some_and(|l| l.peer_bridging) {
+                self.start_bridging();
+            }
             self.handle_cm_events();
+            self.serve_bridge();
             if self.link.is_some() {
                 self.progress();
                 if self.link.is_some() {
@@ -457,6 +486,7 @@ impl Worker {
             } else {
                 self.down_tick();
             }
+            self.reopen_bridge();
             self.check_deadlines();
         }
         // Whatever remains is released here: link first, then the channel (field order).
@@ -473,6 +503,13 @@ impl Worker {
         if let Some(link) = &self.link {
             fds.push(PollFd::new(link.ep.comp.fd(), PollFlags::POLLIN));
         }
+        if let Some(bridge) = &self.bridge {
+            let mut events = PollFlags::POLLIN;
+            if bridge.wants_write() {
+                events |= PollFlags::POLLOUT;
+            }
+            fds.push(PollFd::new(bridge.fd(), events));
+        }
         let _ = poll(&mut fds, PollTimeout::from(timeout_ms));
     }
 
@@ -481,7 +518,12 @@ impl Worker {
     fn handle_commands(&mut self) {
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
-                Command::Quiesce { deadline, reply } => self.on_quiesce(deadline, reply),
+                Command::Quiesce {
+                    deadline,
+                    bridge,
+                    reply,
+                } => self.on_quiesce(deadline, bridge, reply),
+                Command::Bridge { stream, hello } => self.on_bridge(stream, hello),
                 Command::Resume { deadline, reply } => self.on_resume(deadline, reply),
                 Command::Incoming { id, hello } => self.on_incoming(id, hello),
                 Command::Close { deadline, reply } => {
@@ -496,14 +538,21 @@ impl Worker {
         }
     }
 
-    fn on_quiesce(&mut self, deadline: Instant, reply: Reply) {
+    fn on_quiesce(&mut self, deadline: Instant, bridge: bool, reply: Reply) {
         if let Some((_, r)) = self.resume_op.take() {
             let _ = r.send(Err("a quiesce arrived before the resume completed".into()));
         }
+        if bridge {
+            self.start_bridging();
+        }
+        let bridging = self.bridging;
         match &mut self.link {
             Some(link) => {
                 if link.pause.is_none() {
-                    link.pause = Some(Pause::default());
+                    link.pause = Some(Pause {
+                        bridge: bridging,
+                        ..Pause::default()
+                    });
                 }
                 self.quiesce_op = Some((deadline, reply));
                 self.set_state(ConnectionState::Pausing);
@@ -575,7 +624,13 @@ impl Worker {
             if now >= deadline {
                 return Err(transient(format!("no CM event within {timeout:?}")));
             }
-            if let Some(ev) = self.chan.get_event(deadline - now)? {
+            let mut wait = deadline - now;
+            if self.bridging {
+                // The bridge carries the traffic meanwhile.
+                self.serve_bridge();
+                wait = wait.min(BRIDGE_SLICE);
+            }
+            if let Some(ev) = self.chan.get_event(wait)? {
                 if ev.id == id.key() {
                     return Ok(ev);
                 }
@@ -703,6 +758,7 @@ impl Worker {
             last_ack_sent: st.last_received,
             pause: None,
             peer_paused: None,
+            peer_bridging: false,
             owe_pause_ack: false,
             pause_ack_sent: false,
             close_sent: false,
@@ -715,6 +771,9 @@ impl Worker {
         st.peer = peer;
         drop(st);
         self.sh.changed();
+        // Back on RDMA: the bridge stops carrying (what it had in flight arrives as
+        // duplicates or in order; see the bridge module).
+        self.bridging = false;
         self.down = Down::None;
         self.last_error.clear();
         self.last_link = None;
@@ -836,7 +895,12 @@ impl Worker {
                 && !link.free_slots.is_empty()
             {
                 p.sent = true;
-                if let Err(e) = link.post(Kind::Pause, FLAG_MOVING, 0, &[], last_received) {
+                let flags = if p.bridge {
+                    FLAG_MOVING | FLAG_BRIDGE
+                } else {
+                    FLAG_MOVING
+                };
+                if let Err(e) = link.post(Kind::Pause, flags, 0, &[], last_received) {
                     failure = Some(LinkEvent::Local(e));
                 }
             }
@@ -985,6 +1049,9 @@ impl Worker {
     fn link_lost(&mut self, why: LinkEvent, expected: bool) {
         let Some(link) = self.link.take() else { return };
         let peer_paused = link.peer_paused.is_some();
+        if link.peer_bridging {
+            self.start_bridging();
+        }
         drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
         let _ = refresh_device_list();
         self.last_refresh = Instant::now();
@@ -1028,6 +1095,184 @@ impl Worker {
         self.last_error.clear();
         self.last_link = Some(why);
         self.set_state(ConnectionState::AwaitingPeer);
+    }
+
+    // ---- bridge ----
+
+    /// The active side opens the bridge (if one is configured) right after its first link.
+    fn open_bridge(&mut self) -> Result<(), ConnError> {
+        let Some(addr) = self.sh.opts.bridge else {
+            return Ok(());
+        };
+        let hello = Hello {
+            conn_id: self.sh.id,
+            token: self.sh.token,
+            last_received: self.sh.lock().last_received,
+            credits: 0,
+        };
+        let (bridge, peer_last) = Bridge::open(addr, hello, self.sh.opts.max_message)
+            .map_err(|reason| ConnError::Bridge { addr, reason })?;
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %addr, "bridge open");
+        self.install_bridge(bridge, peer_last);
+        Ok(())
+    }
+
+    /// The active side opens a lost bridge again, at most every [`BRIDGE_RETRY`].
+    fn reopen_bridge(&mut self) {
+        let now = Instant::now();
+        if self.bridge.is_some()
+            || self.sh.role != Role::Active
+            || self.sh.opts.bridge.is_none()
+            || now < self.next_bridge_attempt
+        {
+            return;
+        }
+        self.next_bridge_attempt = now + BRIDGE_RETRY;
+        if let Err(e) = self.open_bridge() {
+            tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e, "bridge not reopened");
+        }
+    }
+
+    /// The passive side: a bridge stream named this connection (the listener checked the
+    /// token).
+    fn on_bridge(&mut self, stream: std::net::TcpStream, hello: Hello) {
+        if self.sh.role != Role::Passive {
+            let reason = RejectReason::Other;
+            Bridge::refuse(
+                stream,
+                Reject {
+                    conn_id: hello.conn_id,
+                    reason,
+                },
+            );
+            return;
+        }
+        let accept = Accept {
+            conn_id: self.sh.id,
+            last_received: self.sh.lock().last_received,
+            credits: 0,
+        };
+        match Bridge::answer(stream, accept, self.sh.opts.max_message) {
+            Ok(bridge) => self.install_bridge(bridge, hello.last_received),
+            Err(e) => {
+                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e, "bridge not accepted")
+            }
+        }
+    }
+
+    fn install_bridge(&mut self, mut bridge: Bridge, peer_last: u64) {
+        let mut st = self.sh.lock();
+        while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
+            st.outbox.pop_front();
+        }
+        bridge.sent_upto = resend_point(&st);
+        st.bridge_up = true;
+        drop(st);
+        self.sh.changed();
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), peer = %bridge.peer(), "bridge up");
+        self.bridge = Some(bridge);
+    }
+
+    /// This side carries its messages over the bridge from now on, starting at its oldest
+    /// unacknowledged one (no-op without a bridge, or when already bridging).
+    fn start_bridging(&mut self) {
+        let Some(bridge) = &mut self.bridge else {
+            return;
+        };
+        if self.bridging {
+            return;
+        }
+        bridge.sent_upto = resend_point(&self.sh.lock());
+        self.bridging = true;
+        tracing::debug!(
+            conn = format_args!("{:016x}", self.sh.id),
+            from = bridge.sent_upto + 1,
+            "bridging"
+        );
+    }
+
+    /// Takes what arrived on the bridge, queues this side's messages on it while bridging
+    /// and an ACK when one is owed, and writes what the socket takes.
+    fn serve_bridge(&mut self) {
+        let Some(bridge) = &mut self.bridge else {
+            return;
+        };
+        let mut st = self.sh.lock();
+        let mut delivered = false;
+        let mut got_data = false;
+        let mut result = bridge.receive(|h, payload| {
+            while st.outbox.front().is_some_and(|(seq, _)| *seq <= h.ack) {
+                st.outbox.pop_front();
+                delivered = true;
+            }
+            if h.kind == Kind::Data {
+                got_data = true;
+                match classify(st.last_received, h.seq) {
+                    Arrival::Deliver => {
+                        st.inbox.push_back(payload.to_vec());
+                        st.last_received = h.seq;
+                        delivered = true;
+                    }
+                    Arrival::Duplicate => st.stats.duplicates_dropped += 1,
+                    Arrival::Gap { expected } => {
+                        return Err(format!(
+                            "received sequence {} on the bridge while expecting {expected}",
+                            h.seq
+                        ))
+                    }
+                }
+            }
+            Ok(())
+        });
+        bridge.owes_ack |= got_data;
+        if result.is_ok() && self.bridging {
+            while bridge.has_room() {
+                let next = bridge.sent_upto + 1;
+                let Some(front) = st.outbox.front().map(|(seq, _)| *seq) else {
+                    break;
+                };
+                if next < front {
+                    bridge.sent_upto = front - 1;
+                    continue;
+                }
+                let Some((seq, data)) = st.outbox.get((next - front) as usize) else {
+                    break;
+                };
+                let seq = *seq;
+                bridge.queue(Kind::Data, seq, st.last_received, data);
+                bridge.sent_upto = seq;
+                st.stats.bridged += 1;
+                st.max_posted = st.max_posted.max(seq);
+            }
+        }
+        if result.is_ok() && bridge.owes_ack && st.last_received > bridge.last_ack_sent {
+            bridge.queue(Kind::Ack, 0, st.last_received, &[]);
+        }
+        drop(st);
+        if delivered {
+            self.sh.changed();
+        }
+        if result.is_ok() {
+            result = bridge.flush();
+        }
+        if let Err(why) = result {
+            self.bridge_lost(why);
+        }
+    }
+
+    /// The bridge broke or the peer closed it: messages stay queued for the next path.
+    fn bridge_lost(&mut self, why: String) {
+        self.bridge = None;
+        let mut st = self.sh.lock();
+        st.bridge_up = false;
+        let quiet = st.peer_closed || st.closed_by_app;
+        if !quiet {
+            st.stats.link_events.push(format!("bridge lost: {why}"));
+        }
+        drop(st);
+        self.sh.changed();
+        self.next_bridge_attempt = Instant::now();
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, "bridge lost");
     }
 
     // ---- link down ----
@@ -1124,7 +1369,9 @@ impl Worker {
 
     fn finish_closed(&mut self) {
         self.link = None;
+        self.bridge = None;
         let mut st = self.sh.lock();
+        st.bridge_up = false;
         st.onesided.ops.clear();
         st.conn_state = ConnectionState::Closed;
         drop(st);
@@ -1134,10 +1381,12 @@ impl Worker {
 
     fn fail(&mut self, cause: Failure) {
         self.link = None;
+        self.bridge = None;
         let _ = refresh_device_list();
         let reason = cause.to_string();
         tracing::warn!(conn = format_args!("{:016x}", self.sh.id), %reason, "connection failed");
         let mut st = self.sh.lock();
+        st.bridge_up = false;
         st.conn_state = ConnectionState::Failed;
         st.failure = Some(cause);
         st.onesided.ops.clear();
@@ -1155,6 +1404,14 @@ impl Worker {
         }
         self.done = true;
     }
+}
+
+/// Where a path starts carrying this side's messages: just below the oldest unacknowledged
+/// one (the receiver has everything before it).
+fn resend_point(st: &super::State) -> u64 {
+    st.outbox
+        .front()
+        .map_or(st.next_seq - 1, |(seq, _)| seq - 1)
 }
 
 /// Handles one work completion on a live link.
@@ -1215,6 +1472,7 @@ fn process(
         Kind::Ack => {}
         Kind::Pause => {
             link.peer_paused = Some(Instant::now());
+            link.peer_bridging = h.flags & FLAG_BRIDGE != 0;
             link.owe_pause_ack = true;
         }
         Kind::PauseAck => {

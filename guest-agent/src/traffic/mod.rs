@@ -283,6 +283,9 @@ pub struct Report {
     pub connections_established: u64,
     /// Messages re-sent after a reconnect (migratable).
     pub replayed: u64,
+    /// Messages sent over the TCP bridge (strategy `bridge`).
+    #[serde(default)]
+    pub bridged: u64,
     /// One-sided mode: regions written into the peer's buffer (writes completed).
     #[serde(default)]
     pub regions_written: u64,
@@ -340,6 +343,7 @@ impl Report {
             total.link_events.extend(r.link_events);
             total.connections_established += r.connections_established;
             total.replayed += r.replayed;
+            total.bridged += r.bridged;
             total.regions_written += r.regions_written;
             total.regions_verified += r.regions_verified;
             total.regions_overtaken += r.regions_overtaken;
@@ -737,13 +741,14 @@ impl Flow {
 
     fn finish(self, cfg: &TrafficConfig, started_unix_ms: u64) -> Report {
         let errors = &self.errors;
-        let (established, link_events, replayed, onesided_replayed) = match &*self.ep {
+        let (established, link_events, replayed, bridged, onesided_replayed) = match &*self.ep {
             Endpoint::Migratable(c, _) => {
                 let s = c.stats();
                 (
                     s.established,
                     s.link_events,
                     s.replayed,
+                    s.bridged,
                     s.onesided_replayed,
                 )
             }
@@ -752,7 +757,7 @@ impl Flow {
                 for e in s.errors {
                     errors.add(format!("connection: {e}"));
                 }
-                (s.established, Vec::new(), 0, 0)
+                (s.established, Vec::new(), 0, 0, 0)
             }
         };
         let t = self.tracker.lock().unwrap_or_else(|p| p.into_inner());
@@ -784,6 +789,7 @@ impl Flow {
             link_events,
             connections_established: established,
             replayed,
+            bridged,
             regions_written: self.counters.written.load(Ordering::Relaxed),
             regions_verified: self.counters.verified.load(Ordering::Relaxed),
             regions_overtaken: self.counters.overtaken.load(Ordering::Relaxed),

@@ -326,7 +326,11 @@ async fn pre_migrate(
         .map_err(|e| failed(error_chain(&e), Value::Null))?;
     let ids: Vec<_> = connections.iter().map(|c| c.id).collect();
     let quiesced = agent
-        .quiesce(&ids, quiesce_deadline.saturating_sub(start.elapsed()))
+        .quiesce(
+            &ids,
+            quiesce_deadline.saturating_sub(start.elapsed()),
+            false,
+        )
         .await
         .map_err(|e| failed(error_chain(&e), json!({"connections": ids.len()})))?;
     let not_quiesced: Vec<String> = quiesced

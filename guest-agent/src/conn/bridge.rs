@@ -1,0 +1,406 @@
+//! The bridge: a TCP path beside the RDMA QP, over the VM's paravirtual NIC. That NIC
+//! migrates with the VM, and an open TCP stream with it, so during a move with strategy
+//! `bridge` both sides carry their messages here while the QP is gone, and go back to RDMA
+//! once the resume has rebuilt it.
+//!
+//! Set-up: the active side connects to the passive side's bridge address and sends a BRIDGE
+//! record (connection id, token, last sequence received; padded to
+//! [`MAX_CONNECT_PRIVATE_DATA`] bytes). The listener routes it to the connection it names
+//! after checking the token, as it does a RESUME; the connection answers with an ACCEPT
+//! record (its own last received) or a REJECT. After that each direction is a stream of
+//! frames, each the connection's wire [`Header`] and its payload. Only DATA and ACK travel
+//! here; anything else, or a payload above `max_message`, ends the bridge (not the
+//! connection).
+//!
+//! Why two paths cannot lose, duplicate or reorder anything: every DATA keeps its sequence
+//! number on either path, the receiver takes only the next one in order and drops what it
+//! already has, and a sender starts (or restarts) a path at its oldest unacknowledged
+//! message, which the receiver's next expected one is never below. Each path is ordered, so
+//! what arrives on it is either a duplicate or exactly the next message.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::Duration;
+
+use super::wire::{
+    Accept, Header, Hello, Kind, PrivateData, Reject, HEADER_LEN, MAX_CONNECT_PRIVATE_DATA,
+};
+
+/// Bound of each set-up step (TCP connect, the greeting, the answer).
+pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(2);
+/// Unsent bytes a bridge holds before its sender waits; TCP's window does the rest.
+const TX_LIMIT: usize = 256 * 1024;
+
+/// One open bridge (non-blocking).
+pub(crate) struct Bridge {
+    stream: TcpStream,
+    peer: SocketAddr,
+    max_payload: usize,
+    rx: Vec<u8>,
+    tx: Vec<u8>,
+    /// Bytes at the front of `tx` already written to the socket.
+    tx_written: usize,
+    /// Highest DATA sequence number queued on this bridge since this side began carrying on it.
+    pub(crate) sent_upto: u64,
+    /// The `ack` of the last frame queued.
+    pub(crate) last_ack_sent: u64,
+    /// A DATA frame arrived since the last frame this side queued.
+    pub(crate) owes_ack: bool,
+}
+
+impl Bridge {
+    /// The active side: connects to `peer`, introduces the connection with `hello`, and
+    /// returns the bridge and the passive side's last received sequence number.
+    pub(crate) fn open(
+        peer: SocketAddr,
+        hello: Hello,
+        max_payload: usize,
+    ) -> Result<(Bridge, u64), String> {
+        let mut stream = TcpStream::connect_timeout(&peer, SETUP_TIMEOUT)
+            .map_err(|e| format!("connecting to {peer}: {e}"))?;
+        set_blocking_with_timeout(&stream).map_err(|e| format!("configuring the socket: {e}"))?;
+        stream
+            .write_all(&padded(PrivateData::Bridge(hello)))
+            .map_err(|e| format!("sending the BRIDGE record: {e}"))?;
+        let mut answer = [0u8; MAX_CONNECT_PRIVATE_DATA];
+        stream
+            .read_exact(&mut answer)
+            .map_err(|e| format!("waiting for the answer (within {SETUP_TIMEOUT:?}): {e}"))?;
+        match PrivateData::decode(&answer) {
+            Ok(PrivateData::Accept(a)) if a.conn_id == hello.conn_id => {
+                Ok((Bridge::new(stream, peer, max_payload)?, a.last_received))
+            }
+            Ok(PrivateData::Reject(r)) => Err(format!("refused: {:?}", r.reason)),
+            other => Err(format!("unexpected answer: {other:?}")),
+        }
+    }
+
+    /// The listener's half of the set-up: reads the BRIDGE record of a new stream.
+    pub(crate) fn read_greeting(stream: &mut TcpStream) -> Result<Hello, String> {
+        set_blocking_with_timeout(stream).map_err(|e| format!("configuring the socket: {e}"))?;
+        let mut greeting = [0u8; MAX_CONNECT_PRIVATE_DATA];
+        stream
+            .read_exact(&mut greeting)
+            .map_err(|e| format!("reading the BRIDGE record (within {SETUP_TIMEOUT:?}): {e}"))?;
+        match PrivateData::decode(&greeting) {
+            Ok(PrivateData::Bridge(hello)) => Ok(hello),
+            Ok(other) => Err(format!("expected a BRIDGE record, got {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// The passive side: accepts a stream whose greeting named this connection.
+    pub(crate) fn answer(
+        mut stream: TcpStream,
+        accept: Accept,
+        max_payload: usize,
+    ) -> Result<Bridge, String> {
+        let peer = stream
+            .peer_addr()
+            .map_err(|e| format!("the stream has no peer: {e}"))?;
+        stream
+            .write_all(&padded(PrivateData::Accept(accept)))
+            .map_err(|e| format!("answering {peer}: {e}"))?;
+        Bridge::new(stream, peer, max_payload)
+    }
+
+    /// Refuses a stream (best effort: the stream is dropped either way).
+    pub(crate) fn refuse(mut stream: TcpStream, reject: Reject) {
+        let _ = stream.write_all(&padded(PrivateData::Reject(reject)));
+    }
+
+    fn new(stream: TcpStream, peer: SocketAddr, max_payload: usize) -> Result<Bridge, String> {
+        stream
+            .set_nonblocking(true)
+            .and_then(|()| stream.set_nodelay(true))
+            .map_err(|e| format!("configuring the socket: {e}"))?;
+        Ok(Bridge {
+            stream,
+            peer,
+            max_payload,
+            rx: Vec::new(),
+            tx: Vec::new(),
+            tx_written: 0,
+            sent_upto: 0,
+            last_ack_sent: 0,
+            owes_ack: false,
+        })
+    }
+
+    /// The peer's address (for logs).
+    pub(crate) fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The socket, for the worker's poll.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+
+    /// Whether queued bytes wait for the socket to take them.
+    pub(crate) fn wants_write(&self) -> bool {
+        self.tx_written < self.tx.len()
+    }
+
+    /// Whether another frame may be queued.
+    pub(crate) fn has_room(&self) -> bool {
+        self.tx.len() - self.tx_written < TX_LIMIT
+    }
+
+    /// Queues one frame; [`Bridge::flush`] writes it.
+    pub(crate) fn queue(&mut self, kind: Kind, seq: u64, ack: u64, payload: &[u8]) {
+        let header = Header {
+            kind,
+            flags: 0,
+            len: payload.len() as u32,
+            seq,
+            ack,
+            credits: 0,
+        };
+        let start = self.tx.len();
+        self.tx.resize(start + HEADER_LEN, 0);
+        header.encode(&mut self.tx[start..]);
+        self.tx.extend_from_slice(payload);
+        self.last_ack_sent = ack;
+        self.owes_ack = false;
+    }
+
+    /// Writes what the socket takes now.
+    pub(crate) fn flush(&mut self) -> Result<(), String> {
+        while self.wants_write() {
+            match self.stream.write(&self.tx[self.tx_written..]) {
+                Ok(0) => return Err("the socket took no bytes".into()),
+                Ok(n) => self.tx_written += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("writing to {}: {e}", self.peer)),
+            }
+        }
+        if self.tx_written == self.tx.len() {
+            self.tx.clear();
+            self.tx_written = 0;
+        }
+        Ok(())
+    }
+
+    /// Reads what has arrived and hands each whole frame to `on_frame`, in order. An error
+    /// (end of stream, a malformed or oversized frame, or one `on_frame` refuses) ends the
+    /// bridge.
+    pub(crate) fn receive(
+        &mut self,
+        mut on_frame: impl FnMut(Header, &[u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return Err(format!("{} closed the bridge", self.peer)),
+                Ok(n) => self.rx.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("reading from {}: {e}", self.peer)),
+            }
+            let mut used = 0;
+            while let Some(len) = self.next_frame(&self.rx[used..])? {
+                let (header, payload) = Header::decode(&self.rx[used..used + len])
+                    .map_err(|e| format!("frame from {}: {e}", self.peer))?;
+                if !matches!(header.kind, Kind::Data | Kind::Ack) {
+                    return Err(format!(
+                        "{:?} from {} does not belong on the bridge",
+                        header.kind, self.peer
+                    ));
+                }
+                on_frame(header, payload)?;
+                used += len;
+            }
+            self.rx.drain(..used);
+        }
+        Ok(())
+    }
+
+    /// The length of the whole frame at the start of `buf`, or `None` if it has not all
+    /// arrived; a payload above the limit is an error before it is buffered.
+    fn next_frame(&self, buf: &[u8]) -> Result<Option<usize>, String> {
+        if buf.len() < HEADER_LEN {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+        if len > self.max_payload {
+            return Err(format!(
+                "a frame of {len} bytes from {} exceeds the limit of {}",
+                self.peer, self.max_payload
+            ));
+        }
+        Ok((buf.len() >= HEADER_LEN + len).then_some(HEADER_LEN + len))
+    }
+}
+
+/// The set-up steps run blocking, each bounded by [`SETUP_TIMEOUT`].
+fn set_blocking_with_timeout(stream: &TcpStream) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(SETUP_TIMEOUT))?;
+    stream.set_write_timeout(Some(SETUP_TIMEOUT))
+}
+
+/// A record padded to the fixed set-up size (decoding ignores the padding).
+fn padded(record: PrivateData) -> [u8; MAX_CONNECT_PRIVATE_DATA] {
+    let mut out = [0u8; MAX_CONNECT_PRIVATE_DATA];
+    let bytes = record.encode();
+    out[..bytes.len()].copy_from_slice(&bytes);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    const MAX: usize = 4096;
+
+    fn hello() -> Hello {
+        Hello {
+            conn_id: 0x51,
+            token: [7; 16],
+            last_received: 3,
+            credits: 0,
+        }
+    }
+
+    /// A bridge opened on loopback, and the listener's end of it.
+    fn pair() -> (Bridge, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            assert_eq!(Bridge::read_greeting(&mut stream).unwrap(), hello());
+            let accept = Accept {
+                conn_id: 0x51,
+                last_received: 9,
+                credits: 0,
+            };
+            stream
+                .write_all(&padded(PrivateData::Accept(accept)))
+                .unwrap();
+            stream
+        });
+        let (bridge, peer_last) = Bridge::open(addr, hello(), MAX).unwrap();
+        assert_eq!(peer_last, 9);
+        (bridge, server.join().unwrap())
+    }
+
+    fn frame(kind: Kind, seq: u64, payload: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; HEADER_LEN];
+        Header {
+            kind,
+            flags: 0,
+            len: payload.len() as u32,
+            seq,
+            ack: 1,
+            credits: 0,
+        }
+        .encode(&mut out);
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// Receives until `want` frames arrived or the bridge failed.
+    fn collect(bridge: &mut Bridge, want: usize) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while got.len() < want && std::time::Instant::now() < deadline {
+            bridge.receive(|h, p| {
+                got.push((h.seq, p.to_vec()));
+                Ok(())
+            })?;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(got)
+    }
+
+    #[test]
+    fn frames_split_across_reads_arrive_whole_and_in_order() {
+        let (mut bridge, mut far) = pair();
+        let mut bytes = frame(Kind::Data, 1, b"first");
+        bytes.extend(frame(Kind::Data, 2, &[9u8; 3000]));
+        bytes.extend(frame(Kind::Ack, 0, b""));
+        for piece in bytes.chunks(7) {
+            far.write_all(piece).unwrap();
+        }
+        let got = collect(&mut bridge, 3).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0], (1, b"first".to_vec()));
+        assert_eq!(got[1], (2, vec![9u8; 3000]));
+    }
+
+    #[test]
+    fn an_oversized_frame_ends_the_bridge_before_it_is_buffered() {
+        let (mut bridge, mut far) = pair();
+        let mut header = frame(Kind::Data, 1, b"");
+        header[4..8].copy_from_slice(&((MAX + 1) as u32).to_be_bytes());
+        far.write_all(&header).unwrap();
+        let err = collect(&mut bridge, 1).unwrap_err();
+        assert!(err.contains("exceeds the limit"), "{err}");
+    }
+
+    #[test]
+    fn control_messages_other_than_ack_are_refused() {
+        let (mut bridge, mut far) = pair();
+        far.write_all(&frame(Kind::Pause, 0, b"")).unwrap();
+        let err = collect(&mut bridge, 1).unwrap_err();
+        assert!(err.contains("does not belong on the bridge"), "{err}");
+    }
+
+    #[test]
+    fn queued_frames_reach_the_far_end() {
+        let (mut bridge, mut far) = pair();
+        bridge.queue(Kind::Data, 4, 2, b"four");
+        assert_eq!(bridge.last_ack_sent, 2);
+        while bridge.wants_write() {
+            bridge.flush().unwrap();
+        }
+        let mut buf = vec![0u8; HEADER_LEN + 4];
+        far.read_exact(&mut buf).unwrap();
+        let (h, payload) = Header::decode(&buf).unwrap();
+        assert_eq!(
+            (h.kind, h.seq, h.ack, payload),
+            (Kind::Data, 4, 2, &b"four"[..])
+        );
+    }
+
+    #[test]
+    fn a_refusal_is_reported_with_its_reason() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let hello = Bridge::read_greeting(&mut stream).unwrap();
+            Bridge::refuse(
+                stream,
+                Reject {
+                    conn_id: hello.conn_id,
+                    reason: super::super::wire::RejectReason::BadToken,
+                },
+            );
+        });
+        let err = Bridge::open(addr, hello(), MAX).err().unwrap();
+        server.join().unwrap();
+        assert!(err.contains("BadToken"), "{err}");
+    }
+
+    #[test]
+    fn a_greeting_that_is_not_a_bridge_record_is_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            stream
+                .write_all(&padded(PrivateData::Resume(hello())))
+                .unwrap();
+            stream
+        });
+        let (mut stream, _) = listener.accept().unwrap();
+        let err = Bridge::read_greeting(&mut stream).unwrap_err();
+        drop(client.join().unwrap());
+        assert!(err.contains("expected a BRIDGE record"), "{err}");
+    }
+}
