@@ -562,6 +562,18 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
         &outcome.peer,
         &outcome.mover,
     );
+    if outcome.peer.max_gap_ms > 0.0 {
+        // The peer's clock, set from the RTC at boot, lines up with the host's through the
+        // measured offset (within half a console round trip).
+        let on_timeline = |guest_ms: u64| {
+            guest_ms as i64 - outcome.peer_clock_offset_ms - outcome.move_window_unix_ms.0 as i64
+        };
+        text.push_str(&format!(
+            "    that gap on the move's timeline       +{} ms to +{} ms\n",
+            on_timeline(outcome.peer.max_gap_start_unix_ms),
+            on_timeline(outcome.peer.max_gap_end_unix_ms),
+        ));
+    }
     side(
         &mut text,
         "moving VM, receiving from the peer:",

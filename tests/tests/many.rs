@@ -1,13 +1,14 @@
 //! Many connections: 4 traffic processes in the moving VM, 16 migratable connections each
-//! (64 in all, each with traffic both ways), and the VM moves with `rdmamig migrate`
-//! (strategy `reconnect`). The agent quiesces and resumes the processes, and each process
-//! its connections, with bounded concurrency; the move must report an ok outcome for every
-//! one of the 64 connections, and nothing may be lost, duplicated or reordered on any of
-//! them, with no error on either side.
+//! (64 in all, each with traffic both ways), and the VM moves with `rdmamig migrate`, once
+//! with strategy `reconnect` and once with `bridge` (every connection with a TCP bridge on
+//! the permanent NICs). The agent quiesces and resumes the processes, and each process its
+//! connections, with bounded concurrency; the move must report an ok outcome for every one
+//! of the 64 connections, and nothing may be lost, duplicated or reordered on any of them,
+//! with no error on either side.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
-use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, Strategy};
+use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
 use rdmamig_testbed::{error_chain, Testbed};
 
 const PROCESSES: u32 = 4;
@@ -15,7 +16,30 @@ const CONNECTIONS: u32 = 16;
 
 #[test]
 fn sixty_four_connections_in_four_processes_move_with_nothing_lost() {
-    let bed = Testbed::new("many").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let o = move_sixty_four(Strategy::Reconnect);
+    assert_eq!(
+        o.peer.bridged + o.mover.bridged,
+        0,
+        "no bridge was configured"
+    );
+}
+
+#[test]
+fn sixty_four_bridged_connections_move_with_nothing_lost() {
+    let o = move_sixty_four(Strategy::Bridge);
+    for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
+        assert!(
+            report.bridged > 0,
+            "the {name} sent nothing over the bridges: {report:?}"
+        );
+    }
+}
+
+/// Moves the VM with 64 connections under `strategy` and checks what every such move must
+/// show; returns the outcome for the strategy's own checks.
+fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
+    let bed = Testbed::new(&format!("many-{}", strategy.migrator_name()))
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let config = ScenarioConfig {
         processes: PROCESSES,
@@ -23,7 +47,7 @@ fn sixty_four_connections_in_four_processes_move_with_nothing_lost() {
         // 2 messages/s per connection: 128 messages/s each way in all (the guests have one
         // emulated CPU each, which 64 connections and 128 traffic threads keep busy).
         rate: 2,
-        ..ScenarioConfig::new(Strategy::Reconnect)
+        ..ScenarioConfig::new(strategy)
     };
     let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     eprintln!("{}\n{}", o.move_output, scenario::render(&o));
@@ -71,4 +95,5 @@ fn sixty_four_connections_in_four_processes_move_with_nothing_lost() {
         "every connection should have reconnected: {:?}",
         o.mover
     );
+    o
 }

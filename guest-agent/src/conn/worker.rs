@@ -43,9 +43,6 @@ const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
 const TICK_MS: u16 = 100;
 /// How often the device list is refreshed while the connection holds no device.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
-/// While bridging, the longest the worker waits on rdma_cm before serving the bridge again
-/// (the RDMA path is rebuilt while the bridge carries the traffic).
-const BRIDGE_SLICE: Duration = Duration::from_millis(2);
 /// Pause between attempts of the active side to open a lost bridge again.
 const BRIDGE_RETRY: Duration = Duration::from_secs(1);
 
@@ -625,10 +622,15 @@ impl Worker {
                 return Err(transient(format!("no CM event within {timeout:?}")));
             }
             let mut wait = deadline - now;
-            if self.bridging {
-                // The bridge carries the traffic meanwhile.
+            if self.bridging && self.bridge.is_some() {
+                // The bridge carries the traffic meanwhile: sleep until the CM channel, the
+                // bridge or the application has something, serve the bridge, look again.
                 self.serve_bridge();
-                wait = wait.min(BRIDGE_SLICE);
+                let ms = wait.as_millis().clamp(1, TICK_MS as u128) as u16;
+                self.wait(ms);
+                let _ = self.sh.wake.read();
+                self.serve_bridge();
+                wait = Duration::ZERO;
             }
             if let Some(ev) = self.chan.get_event(wait)? {
                 if ev.id == id.key() {
