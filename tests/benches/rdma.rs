@@ -6,8 +6,9 @@
 //!    (`rdmamig-perf`) against raw verbs (perftest's `ib_send_bw`, rdma-core's
 //!    `ibv_rc_pingpong`) between the same two guests, interleaved, several rounds, medians of
 //!    the rounds compared.
-//! 2. Switching time: the largest delivery gap at the peer during a move with `reconnect`
-//!    and with the naive unplug-migrate-plug, beside the VMM's reported downtime.
+//! 2. Switching time: the largest delivery gap at the peer during a move with `reconnect`,
+//!    with `bridge` and with the naive unplug-migrate-plug, beside the VMM's reported
+//!    downtime.
 //!
 //! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
 //! builds the guest binaries). docs/benchmarks.md records the results.
@@ -48,22 +49,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     println!("\n== switching time: one move with each strategy");
     let daemon = Daemon::start(bed.dir())?;
-    let reconnect = scenario::run(&bed, &daemon, &ScenarioConfig::new(Strategy::Reconnect))?;
-    let naive = scenario::run(&bed, &daemon, &ScenarioConfig::new(Strategy::Naive))?;
-    if !reconnect.move_succeeded || !naive.move_succeeded {
-        return Err(format!(
-            "a move failed:\n{}\n{}",
-            reconnect.move_output, naive.move_output
-        )
-        .into());
-    }
-    for outcome in [&reconnect, &naive] {
-        let name = outcome.strategy.migrator_name();
+    let mut outcomes = Vec::new();
+    for strategy in [Strategy::Reconnect, Strategy::Bridge, Strategy::Naive] {
+        let outcome = scenario::run(&bed, &daemon, &ScenarioConfig::new(strategy))?;
+        let name = strategy.migrator_name();
+        if !outcome.move_succeeded {
+            return Err(format!("the {name} move failed:\n{}", outcome.move_output).into());
+        }
         println!("\n== the {name} move\n{}", outcome.move_output.trim_end());
-        println!("{}", scenario::render(outcome));
+        println!("{}", scenario::render(&outcome));
+        outcomes.push(outcome);
     }
     println!("\n{}", overhead.render());
-    println!("{}", render_switching(&reconnect, &naive));
+    println!(
+        "{}",
+        render_switching(&outcomes[0], &outcomes[1], &outcomes[2])
+    );
     Ok(())
 }
 
@@ -320,31 +321,46 @@ fn median(values: &[f64]) -> f64 {
     values[values.len() / 2]
 }
 
-fn render_switching(reconnect: &ScenarioOutcome, naive: &ScenarioOutcome) -> String {
+fn render_switching(
+    reconnect: &ScenarioOutcome,
+    bridge: &ScenarioOutcome,
+    naive: &ScenarioOutcome,
+) -> String {
     let downtime = |o: &ScenarioOutcome| {
         o.move_report
             .as_ref()
             .and_then(|r| r.migration.as_ref())
             .and_then(|m| m.downtime_ms)
-            .map_or("?".to_owned(), |d| d.to_string())
     };
+    let shown = |d: Option<u64>| d.map_or("?".to_owned(), |d| d.to_string());
     let lost = |o: &ScenarioOutcome| o.peer.lost + o.mover.lost;
-    let ratio = reconnect.peer.max_gap_ms / naive.peer.max_gap_ms;
+    let gap = |o: &ScenarioOutcome| o.peer.max_gap_ms;
+    let reconnect_ratio = gap(reconnect) / gap(naive);
+    let naive_over_bridge = gap(naive) / gap(bridge);
+    let over_downtime = downtime(bridge).map(|d| gap(bridge) - d as f64);
     format!(
         "| switching time                         | naive | reconnect | bridge |\n\
          |----------------------------------------|------:|----------:|-------:|\n\
-         | largest gap at the peer (ms)           | {:>5.0} | {:>9.0} | not built |\n\
-         | VMM downtime (ms)                      | {:>5} | {:>9} |        |\n\
-         | messages lost                          | {:>5} | {:>9} |        |\n\
-         reconnect / naive gap: {ratio:.2} (target <= 0.60: {}); nothing lost with reconnect: {}\n\
-         bridge: not built yet, so its targets (gap <= downtime + 10 ms; naive >= 20x bridge) are not measured\n",
-        naive.peer.max_gap_ms,
-        reconnect.peer.max_gap_ms,
-        downtime(naive),
-        downtime(reconnect),
+         | largest gap at the peer (ms)           | {:>5.0} | {:>9.0} | {:>6.0} |\n\
+         | VMM downtime (ms)                      | {:>5} | {:>9} | {:>6} |\n\
+         | messages lost                          | {:>5} | {:>9} | {:>6} |\n\
+         reconnect / naive gap: {reconnect_ratio:.2} (target <= 0.60: {}); nothing lost with reconnect: {}\n\
+         bridge gap - its VMM downtime: {} ms (target <= 10: {}); nothing lost with bridge: {}\n\
+         naive / bridge gap: {naive_over_bridge:.1} (target >= 20: {})\n",
+        gap(naive),
+        gap(reconnect),
+        gap(bridge),
+        shown(downtime(naive)),
+        shown(downtime(reconnect)),
+        shown(downtime(bridge)),
         lost(naive),
         lost(reconnect),
-        verdict(ratio <= 0.6),
+        lost(bridge),
+        verdict(reconnect_ratio <= 0.6),
         verdict(lost(reconnect) == 0),
+        over_downtime.map_or("?".to_owned(), |d| format!("{d:+.0}")),
+        verdict(over_downtime.is_some_and(|d| d <= 10.0)),
+        verdict(lost(bridge) == 0),
+        verdict(naive_over_bridge >= 20.0),
     )
 }
