@@ -2,7 +2,9 @@
 //! traffic both ways at 200 messages/s), in one run so that the guests boot once:
 //!
 //! 1. a RESUME naming the live connection with a wrong token is refused (BadToken), one
-//!    naming no connection is refused (UnknownConnection), and the connection carries on;
+//!    naming no connection is refused (UnknownConnection), and so are the same two on the
+//!    connection's TCP bridge listener and bytes there that are no BRIDGE record
+//!    (Malformed); the connection carries on;
 //! 2. the active side's NIC is unplugged with no quiesce (the library sees DEVICE_REMOVAL and
 //!    releases the device, so the unplug completes at once), a new NIC is plugged, and the
 //!    connection resumes by itself;
@@ -93,7 +95,10 @@ fn with_bed(name: &str, steps: Steps) {
 
 fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Error>> {
     let server = format!("{}:{PORT}", a.spec().address());
-    let common = format!("--mode migratable --rate 200 --agent-socket {SOCKET} --peer-wait-s 30");
+    let bridge = format!("{}:{PORT}", a.spec().permanent_address());
+    let common = format!(
+        "--mode migratable --rate 200 --agent-socket {SOCKET} --peer-wait-s 30 --bridge {bridge}"
+    );
     start_traffic(a, "main", &format!("serve --listen {server} {common}"))?;
     start_traffic(b, "main", &format!("connect --to {server} {common}"))?;
     wait_ready(a, "main")?;
@@ -105,22 +110,38 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
     let conn_id = described["reply"]["body"]["connections"][0]["id"]
         .as_u64()
         .ok_or_else(|| format!("no connection in {described}"))?;
-    let probe = |id: u64| -> Result<String, Box<dyn std::error::Error>> {
-        let out = b.run_ok(
-            &format!("rdmamig-traffic probe-resume --to {server} --conn-id {id}"),
-            STEP_TIMEOUT,
-        )?;
+    let probe = |args: &str| -> Result<String, Box<dyn std::error::Error>> {
+        let out = b.run_ok(&format!("rdmamig-traffic {args}"), STEP_TIMEOUT)?;
         let v: serde_json::Value = serde_json::from_str(out.trim())?;
         Ok(v["answer"].as_str().unwrap_or_default().to_string())
     };
-    let wrong_token = probe(conn_id)?;
-    assert_eq!(
-        wrong_token, "Refused(BadToken)",
-        "a wrong token was not refused"
-    );
-    let unknown = probe(conn_id ^ 0x5a5a_0000)?;
-    assert_eq!(unknown, "Refused(UnknownConnection)");
-    eprintln!("wrong token: {wrong_token}; unknown id: {unknown}");
+    let unknown_id = conn_id ^ 0x5a5a_0000;
+    for (args, expected) in [
+        (
+            format!("probe-resume --to {server} --conn-id {conn_id}"),
+            "Refused(BadToken)",
+        ),
+        (
+            format!("probe-resume --to {server} --conn-id {unknown_id}"),
+            "Refused(UnknownConnection)",
+        ),
+        (
+            format!("probe-bridge --to {bridge} --conn-id {conn_id}"),
+            "Refused(BadToken)",
+        ),
+        (
+            format!("probe-bridge --to {bridge} --conn-id {unknown_id}"),
+            "Refused(UnknownConnection)",
+        ),
+        (
+            format!("probe-bridge --to {bridge} --conn-id {conn_id} --garbage"),
+            "Refused(Malformed)",
+        ),
+    ] {
+        let answer = probe(&args)?;
+        eprintln!("{args}: {answer}");
+        assert_eq!(answer, expected, "{args}");
+    }
     std::thread::sleep(Duration::from_secs(1));
 
     if steps == Steps::Uncoordinated {

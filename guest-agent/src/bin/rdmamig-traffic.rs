@@ -116,6 +116,20 @@ enum Cmd {
         #[arg(long)]
         conn_id: u64,
     },
+    /// Open a TCP stream to a listener's bridge address naming --conn-id with a random token
+    /// (or, with --garbage, send bytes that are no record) and print how the listener
+    /// answered, as JSON: both must be refused and the connection must carry on.
+    ProbeBridge {
+        /// The listener's bridge address.
+        #[arg(long)]
+        to: SocketAddr,
+        /// The connection id to name (decimal, as `ctl describe` prints it).
+        #[arg(long)]
+        conn_id: u64,
+        /// Send bytes that are no BRIDGE record instead.
+        #[arg(long)]
+        garbage: bool,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -220,6 +234,18 @@ fn main() {
         },
         Cmd::ProbeResume { to, conn_id } => {
             let answer = rdmamig_guest::conn::probe_resume(to, conn_id, rand::random());
+            println!(
+                "{}",
+                serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })
+            );
+            0
+        }
+        Cmd::ProbeBridge {
+            to,
+            conn_id,
+            garbage,
+        } => {
+            let answer = rdmamig_guest::conn::probe_bridge(to, conn_id, rand::random(), garbage);
             println!(
                 "{}",
                 serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })

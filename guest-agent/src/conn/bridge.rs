@@ -57,22 +57,12 @@ impl Bridge {
         hello: Hello,
         max_payload: usize,
     ) -> Result<(Bridge, u64), String> {
-        let mut stream = TcpStream::connect_timeout(&peer, SETUP_TIMEOUT)
-            .map_err(|e| format!("connecting to {peer}: {e}"))?;
-        set_blocking_with_timeout(&stream).map_err(|e| format!("configuring the socket: {e}"))?;
-        stream
-            .write_all(&padded(PrivateData::Bridge(hello)))
-            .map_err(|e| format!("sending the BRIDGE record: {e}"))?;
-        let mut answer = [0u8; MAX_CONNECT_PRIVATE_DATA];
-        stream
-            .read_exact(&mut answer)
-            .map_err(|e| format!("waiting for the answer (within {SETUP_TIMEOUT:?}): {e}"))?;
-        match PrivateData::decode(&answer) {
-            Ok(PrivateData::Accept(a)) if a.conn_id == hello.conn_id => {
+        match introduce(peer, &padded(PrivateData::Bridge(hello)))? {
+            (stream, PrivateData::Accept(a)) if a.conn_id == hello.conn_id => {
                 Ok((Bridge::new(stream, peer, max_payload)?, a.last_received))
             }
-            Ok(PrivateData::Reject(r)) => Err(format!("refused: {:?}", r.reason)),
-            other => Err(format!("unexpected answer: {other:?}")),
+            (_, PrivateData::Reject(r)) => Err(format!("refused: {:?}", r.reason)),
+            (_, other) => Err(format!("unexpected answer: {other:?}")),
         }
     }
 
@@ -235,6 +225,26 @@ impl Bridge {
     }
 }
 
+/// Connects to a bridge listener at `peer`, sends `greeting` and returns the stream and
+/// the listener's answer record. Each step is bounded by [`SETUP_TIMEOUT`].
+pub(crate) fn introduce(
+    peer: SocketAddr,
+    greeting: &[u8; MAX_CONNECT_PRIVATE_DATA],
+) -> Result<(TcpStream, PrivateData), String> {
+    let mut stream = TcpStream::connect_timeout(&peer, SETUP_TIMEOUT)
+        .map_err(|e| format!("connecting to {peer}: {e}"))?;
+    set_blocking_with_timeout(&stream).map_err(|e| format!("configuring the socket: {e}"))?;
+    stream
+        .write_all(greeting)
+        .map_err(|e| format!("sending the greeting: {e}"))?;
+    let mut answer = [0u8; MAX_CONNECT_PRIVATE_DATA];
+    stream
+        .read_exact(&mut answer)
+        .map_err(|e| format!("waiting for the answer (within {SETUP_TIMEOUT:?}): {e}"))?;
+    let answer = PrivateData::decode(&answer).map_err(|e| format!("the answer: {e}"))?;
+    Ok((stream, answer))
+}
+
 /// The set-up steps run blocking, each bounded by [`SETUP_TIMEOUT`].
 fn set_blocking_with_timeout(stream: &TcpStream) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
@@ -243,7 +253,7 @@ fn set_blocking_with_timeout(stream: &TcpStream) -> std::io::Result<()> {
 }
 
 /// A record padded to the fixed set-up size (decoding ignores the padding).
-fn padded(record: PrivateData) -> [u8; MAX_CONNECT_PRIVATE_DATA] {
+pub(crate) fn padded(record: PrivateData) -> [u8; MAX_CONNECT_PRIVATE_DATA] {
     let mut out = [0u8; MAX_CONNECT_PRIVATE_DATA];
     let bytes = record.encode();
     out[..bytes.len()].copy_from_slice(&bytes);

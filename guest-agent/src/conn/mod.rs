@@ -92,7 +92,7 @@ pub use asynchronous::{AsyncConnection, AsyncListener};
 pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;
 pub use onesided::{Access, Exposed, RemoteBuffer};
-pub use probe::{probe_resume, ProbeAnswer};
+pub use probe::{probe_bridge, probe_resume, ProbeAnswer};
 pub use wire::RejectReason;
 
 use crate::registry::{self, Migratable};

@@ -1,15 +1,19 @@
-//! A RESUME from a stranger: connects to a listener with a RESUME naming an existing
-//! connection but carrying a token of the caller's choice, and reports the answer.
+//! A RESUME or a BRIDGE from a stranger: connects to a listener (over rdma_cm, or to its
+//! TCP bridge address) naming an existing connection but carrying a token of the caller's
+//! choice, or sends the bridge listener bytes that are no record at all, and reports the
+//! answer.
 //!
 //! The token is the only thing that stops another host on the network from taking over a
-//! connection by reconnecting in its name; the test bed uses this (through
-//! `rdmamig-traffic probe-resume`) to check, on a live connection, that a wrong token is
-//! refused and that the connection it names carries on unharmed.
+//! connection by reconnecting in its name or by opening its bridge; the test bed uses this
+//! (through `rdmamig-traffic probe-resume` and `probe-bridge`) to check, on a live
+//! connection, that a wrong token is refused and that the connection it names carries on
+//! unharmed.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::wire::{Hello, PrivateData, RejectReason};
+use super::bridge;
+use super::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
 use super::worker::{build_endpoint, error_chain};
 use crate::verbs::{CmEvent, CmEventKind, CmId, EventChannel};
 use rdmamig_proto::ConnectionId;
@@ -32,6 +36,33 @@ const STEP: Duration = Duration::from_secs(2);
 pub fn probe_resume(peer: SocketAddr, conn_id: ConnectionId, token: [u8; 16]) -> ProbeAnswer {
     match attempt(peer, conn_id, token) {
         Ok(a) => a,
+        Err(e) => ProbeAnswer::NoAnswer(e),
+    }
+}
+
+/// Opens a TCP stream to the bridge listener at `peer` and sends a BRIDGE record for
+/// `conn_id` with `token` (or, with `garbage`, bytes that are no record); returns how the
+/// listener answered. An accepted probe is closed at once.
+pub fn probe_bridge(
+    peer: SocketAddr,
+    conn_id: ConnectionId,
+    token: [u8; 16],
+    garbage: bool,
+) -> ProbeAnswer {
+    let greeting = if garbage {
+        [0xa5; MAX_CONNECT_PRIVATE_DATA]
+    } else {
+        bridge::padded(PrivateData::Bridge(Hello {
+            conn_id,
+            token,
+            last_received: 0,
+            credits: 0,
+        }))
+    };
+    match bridge::introduce(peer, &greeting) {
+        Ok((_, PrivateData::Reject(r))) => ProbeAnswer::Refused(r.reason),
+        Ok((_, PrivateData::Accept(_))) => ProbeAnswer::Accepted,
+        Ok((_, other)) => ProbeAnswer::NoAnswer(format!("unexpected answer {other:?}")),
         Err(e) => ProbeAnswer::NoAnswer(e),
     }
 }
