@@ -79,6 +79,7 @@ pub(crate) mod worker;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -421,6 +422,9 @@ pub(crate) struct ConnShared {
     /// Wakes async callers, as `cond` wakes blocking ones.
     pub(crate) changed_async: tokio::sync::Notify,
     pub(crate) wake: EventFd,
+    /// `wake` has been written and the worker has not taken it yet: a sender streaming
+    /// messages writes the eventfd once per worker round, not once per message.
+    wake_pending: AtomicBool,
     commands: Mutex<mpsc::Sender<Command>>,
 }
 
@@ -461,6 +465,7 @@ impl ConnShared {
             cond: Condvar::new(),
             changed_async: tokio::sync::Notify::new(),
             wake,
+            wake_pending: AtomicBool::new(false),
             commands: Mutex::new(tx),
         });
         Ok((shared, rx))
@@ -478,7 +483,16 @@ impl ConnShared {
     }
 
     pub(crate) fn notify_worker(&self) {
-        let _ = self.wake.write(1);
+        if !self.wake_pending.swap(true, Ordering::SeqCst) {
+            let _ = self.wake.write(1);
+        }
+    }
+
+    /// The worker takes the wake-up before it looks at the shared state, so whatever is
+    /// queued after this either is seen in this round or writes the eventfd again.
+    pub(crate) fn take_wake(&self) {
+        self.wake_pending.store(false, Ordering::SeqCst);
+        let _ = self.wake.read();
     }
 
     pub(crate) fn command(&self, cmd: Command) -> Result<(), Command> {

@@ -461,7 +461,7 @@ impl Worker {
             // the CM channel, the completion channel); the timeout only drives the coarse
             // deadlines (100 ms granularity, all of them at least 500 ms long).
             self.wait(TICK_MS);
-            let _ = self.sh.wake.read();
+            self.sh.take_wake();
             self.handle_commands();
             if self.done {
                 break;
@@ -628,7 +628,7 @@ impl Worker {
                 self.serve_bridge();
                 let ms = wait.as_millis().clamp(1, TICK_MS as u128) as u16;
                 self.wait(ms);
-                let _ = self.sh.wake.read();
+                self.sh.take_wake();
                 self.serve_bridge();
                 wait = Duration::ZERO;
             }
