@@ -190,39 +190,44 @@ impl Bridge {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(format!("reading from {}: {e}", self.peer)),
             }
-            let mut used = 0;
-            while let Some(len) = self.next_frame(&self.rx[used..])? {
-                let (header, payload) = Header::decode(&self.rx[used..used + len])
-                    .map_err(|e| format!("frame from {}: {e}", self.peer))?;
-                if !matches!(header.kind, Kind::Data | Kind::Ack) {
-                    return Err(format!(
-                        "{:?} from {} does not belong on the bridge",
-                        header.kind, self.peer
-                    ));
-                }
-                on_frame(header, payload)?;
-                used += len;
-            }
+            let used = take_frames(&self.rx, self.max_payload, &mut on_frame)
+                .map_err(|e| format!("from {}: {e}", self.peer))?;
             self.rx.drain(..used);
         }
         Ok(())
     }
+}
 
-    /// The length of the whole frame at the start of `buf`, or `None` if it has not all
-    /// arrived; a payload above the limit is an error before it is buffered.
-    fn next_frame(&self, buf: &[u8]) -> Result<Option<usize>, String> {
-        if buf.len() < HEADER_LEN {
-            return Ok(None);
-        }
-        let len = u32::from_be_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-        if len > self.max_payload {
+/// Hands every whole frame at the start of `buf` to `on_frame`, in order, and returns the
+/// bytes they took (a partial frame stays for the next read). A payload above
+/// `max_payload` is refused from its header, before it is buffered; a malformed header, or
+/// a kind other than DATA and ACK, is refused too.
+fn take_frames(
+    buf: &[u8],
+    max_payload: usize,
+    on_frame: &mut impl FnMut(Header, &[u8]) -> Result<(), String>,
+) -> Result<usize, String> {
+    let mut used = 0;
+    while buf.len() - used >= HEADER_LEN {
+        let rest = &buf[used..];
+        let len = u32::from_be_bytes([rest[4], rest[5], rest[6], rest[7]]) as usize;
+        if len > max_payload {
             return Err(format!(
-                "a frame of {len} bytes from {} exceeds the limit of {}",
-                self.peer, self.max_payload
+                "a frame of {len} bytes exceeds the limit of {max_payload}"
             ));
         }
-        Ok((buf.len() >= HEADER_LEN + len).then_some(HEADER_LEN + len))
+        if rest.len() < HEADER_LEN + len {
+            break;
+        }
+        let (header, payload) =
+            Header::decode(&rest[..HEADER_LEN + len]).map_err(|e| e.to_string())?;
+        if !matches!(header.kind, Kind::Data | Kind::Ack) {
+            return Err(format!("{:?} does not belong on the bridge", header.kind));
+        }
+        on_frame(header, payload)?;
+        used += HEADER_LEN + len;
     }
+    Ok(used)
 }
 
 /// Connects to a bridge listener at `peer`, sends `greeting` and returns the stream and
@@ -395,6 +400,44 @@ mod tests {
         let err = Bridge::open(addr, hello(), MAX).err().unwrap();
         server.join().unwrap();
         assert!(err.contains("BadToken"), "{err}");
+    }
+
+    proptest::proptest! {
+        /// However a stream of frames is cut into reads, the frames come out whole, in
+        /// order and unchanged.
+        #[test]
+        fn frames_survive_any_cutting(
+            payloads in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300), 1..20),
+            cuts in proptest::collection::vec(1usize..500, 1..40),
+        ) {
+            let mut stream = Vec::new();
+            for (i, p) in payloads.iter().enumerate() {
+                stream.extend(frame(Kind::Data, i as u64 + 1, p));
+            }
+            let (mut pending, mut got, mut at) = (Vec::new(), Vec::new(), 0);
+            for cut in cuts.iter().cycle() {
+                if at == stream.len() {
+                    break;
+                }
+                let end = (at + cut).min(stream.len());
+                pending.extend_from_slice(&stream[at..end]);
+                at = end;
+                let used = take_frames(&pending, MAX, &mut |h, p| {
+                    got.push((h.seq, p.to_vec()));
+                    Ok(())
+                }).unwrap();
+                pending.drain(..used);
+            }
+            proptest::prop_assert!(pending.is_empty());
+            let want: Vec<_> = payloads.into_iter().enumerate().map(|(i, p)| (i as u64 + 1, p)).collect();
+            proptest::prop_assert_eq!(got, want);
+        }
+
+        /// Arbitrary bytes are taken, kept for later or refused; never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000)) {
+            let _ = take_frames(&bytes, MAX, &mut |_, _| Ok(()));
+        }
     }
 
     #[test]
