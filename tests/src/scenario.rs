@@ -583,29 +583,33 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
     text
 }
 
-/// The coordinated and the naive outcome side by side.
-pub fn compare(coordinated: &ScenarioOutcome, naive: &ScenarioOutcome) -> String {
+/// Outcomes side by side, one column per move, headed by its strategy.
+pub fn compare(outcomes: &[ScenarioOutcome]) -> String {
     let row = |what: &str, f: &dyn Fn(&ScenarioOutcome) -> String| {
-        format!(
-            "| {what:<44} | {:>14} | {:>14} |\n",
-            f(coordinated),
-            f(naive)
-        )
+        let cells: String = outcomes
+            .iter()
+            .map(|o| format!(" {:>10} |", f(o)))
+            .collect();
+        format!("| {what:<44} |{cells}\n")
     };
-    let mut text = format!(
-        "| {:<44} | {:>14} | {:>14} |\n|{}|{}|{}|\n",
-        "",
-        "rdmamig",
-        "naive",
+    let mut text = row("", &|o| o.strategy.migrator_name().to_string());
+    text += &format!(
+        "|{}|{}\n",
         "-".repeat(46),
-        "-".repeat(16),
-        "-".repeat(16)
+        "------------|".repeat(outcomes.len())
     );
     text += &row("switching time at the peer (largest gap, ms)", &|o| {
         format!("{:.1}", o.peer.max_gap_ms)
     });
-    text += &row("largest gap at the moving VM (ms)", &|o| {
+    text += &row("largest gap at the moving VM (ms, its clock)", &|o| {
         format!("{:.1}", o.mover.max_gap_ms)
+    });
+    text += &row("VMM downtime (ms)", &|o| {
+        o.move_report
+            .as_ref()
+            .and_then(|r| r.migration.as_ref())
+            .and_then(|m| m.downtime_ms)
+            .map_or("?".to_owned(), |d| d.to_string())
     });
     text += &row("messages lost (peer + moving VM)", &|o| {
         (o.peer.lost + o.mover.lost).to_string()
