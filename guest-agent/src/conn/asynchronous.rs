@@ -8,7 +8,7 @@
 //! [`tokio::sync::Notify`]: an async `send` or `recv` never blocks a runtime thread. The
 //! operations that wait for the worker to carry out a command (connect, accept, close) run
 //! on tokio's blocking pool. The blocking [`Connection`] stays available
-//! ([`AsyncConnection::blocking`]) for what has no async form yet (one-sided transfers).
+//! ([`AsyncConnection::blocking`]).
 //!
 //! ```no_run
 //! use rdmamig_guest::conn::{AsyncConnection, AsyncListener, ConnectOptions};
@@ -32,6 +32,43 @@
 //! conn.close().await
 //! # }
 //! ```
+//!
+//! One-sided RDMA WRITE and READ (see the [`crate::conn`] docs for what they promise across
+//! moves) have async forms too; each is the blocking call's check and queueing with an
+//! awaited wait, under the same deadline and with the same errors. A READ's data is awaited,
+//! never waited for on a runtime thread. The owner of a buffer exposes it; the writer takes
+//! its handle once, writes, waits for the WRITEs to complete and then says so by a message,
+//! which arrives after the data:
+//!
+//! ```no_run
+//! use rdmamig_guest::conn::{Access, AsyncConnection, AsyncListener, ConnectOptions};
+//! use std::time::Duration;
+//! # async fn example() -> Result<(), rdmamig_guest::conn::ConnError> {
+//! let (addr, t) = ("10.77.0.1:7472".parse().unwrap(), Duration::from_secs(30));
+//! // Writer (in practice on another machine): the handle stays valid across moves.
+//! let writer = tokio::spawn(async move {
+//!     let conn = AsyncConnection::connect(addr, &ConnectOptions::default()).await?;
+//!     let inbox = conn.remote(7, t).await?; // waits for the owner's map
+//!     let data = vec![0xab; 8192];
+//!     conn.write(&inbox, 0, &data).await?; // queued, in max_message-sized WRITEs
+//!     conn.flush_writes(t).await?; // completed: the data is in place
+//!     conn.send(&(data.len() as u32).to_be_bytes()).await?; // arrives after the data
+//!     let back = conn.read(&inbox, 0, 4096, t).await?; // RDMA READ
+//!     assert_eq!(back, data[..4096]);
+//!     conn.close().await
+//! });
+//! // Owner: exposes buffer 7 and reads what arrived once the writer's message says so.
+//! let listener = AsyncListener::bind(addr, &ConnectOptions::default())?;
+//! let conn = listener.accept(t).await?;
+//! let inbox = conn.expose(Some(7), 1 << 16, Access::ReadWrite)?;
+//! if let Some(note) = conn.recv(t).await? {
+//!     let mut data = vec![0u8; u32::from_be_bytes(note[..4].try_into().unwrap()) as usize];
+//!     inbox.read(0, &mut data)?;
+//! }
+//! writer.await.expect("the writer task")?;
+//! conn.close().await
+//! # }
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::{Arc, MutexGuard};
@@ -40,7 +77,10 @@ use std::time::{Duration, Instant};
 use rdmamig_proto::agent::ConnectionInfo;
 use rdmamig_proto::ConnectionId;
 
-use super::{ConnError, ConnStats, ConnectOptions, Connection, Listener, State};
+use super::{
+    Access, ConnError, ConnStats, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer,
+    State,
+};
 
 /// A migratable connection with an async API; see the module docs.
 #[derive(Debug, Clone)]
@@ -134,6 +174,78 @@ impl AsyncConnection {
         })
         .await
         .unwrap_or(false)
+    }
+
+    /// Exposes a new zeroed buffer to the peer; see [`Connection::expose`] (does not wait).
+    pub fn expose(
+        &self,
+        handle: Option<u64>,
+        len: usize,
+        access: Access,
+    ) -> Result<Exposed, ConnError> {
+        self.conn.expose(handle, len, access)
+    }
+
+    /// The peer's buffer `handle`, waiting up to `timeout` for the peer to expose it; see
+    /// [`Connection::remote`].
+    pub async fn remote(&self, handle: u64, timeout: Duration) -> Result<RemoteBuffer, ConnError> {
+        let found = self
+            .wait_until(Instant::now() + timeout, |st| {
+                self.conn.remote_step(&st, handle)
+            })
+            .await;
+        found.unwrap_or_else(|| Err(self.conn.unknown_handle(handle, timeout)))
+    }
+
+    /// Queues an RDMA WRITE of `data` into the peer's buffer at `offset`, waiting up to
+    /// `send_timeout` for room in the queue; see [`Connection::write`].
+    pub async fn write(
+        &self,
+        to: &RemoteBuffer,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ConnError> {
+        let timeout = self.conn.shared.opts.send_timeout;
+        let deadline = Instant::now() + timeout;
+        for (at, part) in self.conn.write_parts(to, offset, data)? {
+            let queued = self
+                .wait_until(deadline, |mut st| {
+                    self.conn.queue_write(&mut st, to, at, part)
+                })
+                .await;
+            self.conn.queued("write", timeout, queued)?;
+        }
+        Ok(())
+    }
+
+    /// RDMA READs `len` bytes of the peer's buffer at `offset`, waiting up to `timeout`;
+    /// see [`Connection::read`]. The reply is awaited, not waited for on a runtime thread.
+    pub async fn read(
+        &self,
+        from: &RemoteBuffer,
+        offset: u64,
+        len: usize,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, ConnError> {
+        let mut read = self.conn.start_read(from, offset, len)?;
+        let deadline = Instant::now() + timeout;
+        let queued = self
+            .wait_until(deadline, |mut st| self.conn.queue_read(&mut st, &mut read))
+            .await;
+        self.conn.queued("read", timeout, queued)?;
+        let answer = self
+            .wait_until(deadline, |st| self.conn.read_step(&st, &mut read))
+            .await;
+        answer.unwrap_or_else(|| Err(self.conn.onesided_timeout("read", timeout)))
+    }
+
+    /// Waits up to `timeout` until every queued WRITE and READ has completed; see
+    /// [`Connection::flush_writes`].
+    pub async fn flush_writes(&self, timeout: Duration) -> Result<(), ConnError> {
+        let done = self
+            .wait_until(Instant::now() + timeout, |st| self.conn.flushed_step(&st))
+            .await;
+        done.unwrap_or_else(|| Err(self.conn.onesided_timeout("flush_writes", timeout)))
     }
 
     /// Calls `decide` with the locked state until it returns an answer, waiting for the

@@ -65,7 +65,8 @@
 //! Errors: [`ConnError::UnknownHandle`] (the peer exposed nothing under that handle within
 //! the wait), [`ConnError::OutOfBounds`], [`ConnError::NotPermitted`] (the peer did not
 //! allow that operation), [`ConnError::HandleInUse`], [`ConnError::OneSidedTimedOut`]
-//! (naming `flush_writes` or `read`), and the connection's own errors.
+//! (naming `write`, `flush_writes` or `read`), and the connection's own errors. The same
+//! operations have async forms on [`AsyncConnection`].
 
 mod asynchronous;
 mod bridge;
@@ -723,13 +724,31 @@ impl Connection {
         Ok(())
     }
 
-    /// Waits on the shared state's condition for at most `timeout`.
-    fn wait<'a>(&self, st: MutexGuard<'a, State>, timeout: Duration) -> MutexGuard<'a, State> {
-        self.shared
-            .cond
-            .wait_timeout(st, timeout)
-            .unwrap_or_else(|p| p.into_inner())
-            .0
+    /// Calls `decide` with the locked state until it returns an answer, waiting on the
+    /// condvar for the worker's changes in between; `None` once `deadline` has passed. The
+    /// blocking twin of the async API's wait: an operation that has both forms is one
+    /// `decide` step that both waits call.
+    fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        mut decide: impl FnMut(&mut State) -> Option<T>,
+    ) -> Option<T> {
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(answer) = decide(&mut st) {
+                return Some(answer);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.
