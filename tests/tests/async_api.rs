@@ -1,9 +1,15 @@
 //! The async API across a move: `rdmamig-perf --api async` streams numbered messages from the
 //! moving VM to the peer for 25 s, and the peer's server (async API too) checks that every
-//! number arrives exactly once and in order. The VM is moved with `rdmamig migrate`
-//! (strategy `reconnect`) while the stream runs; the stream must still be running after the
-//! move, end cleanly, and the server must have received exactly what the client sent. A
-//! latency run through the async API on the moved VM follows.
+//! number arrives exactly once and in order. Beside it, on a second connection, the moving
+//! VM writes region after region of a buffer the peer exposed, through a handle taken before
+//! the move (`rdmamig-perf write`, one-sided through the async API): after each WRITE has
+//! completed it sends a notice with the region's checksum, the peer verifies the region in
+//! its own memory and answers, and the writer READs the region back and compares. The VM
+//! is moved with `rdmamig migrate` (strategy `reconnect`) while both run; both must still be
+//! running after the move and end cleanly, the server must have received exactly what the
+//! client sent, the peer must have verified every region written (and some were), and
+//! every region must have been read back. A latency run through the async API on the moved
+//! VM follows.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -19,6 +25,8 @@ const STREAM_SECONDS: u32 = 25;
 /// Bound on waiting for a run to end in a guest.
 const END_WAIT: Duration = Duration::from_secs(120);
 const PORT: u16 = 7480;
+/// The one-sided run's server, which owns the buffer.
+const WRITE_PORT: u16 = 7481;
 
 #[test]
 fn the_async_api_streams_through_a_move_exactly_once_and_in_order() {
@@ -32,13 +40,24 @@ fn the_async_api_streams_through_a_move_exactly_once_and_in_order() {
 
 fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std::error::Error>> {
     let server = format!("{}:{PORT}", g.peer.spec().address());
+    let owner = format!("{}:{WRITE_PORT}", g.peer.spec().address());
     start(&g.peer, "serve", &format!("serve --listen {server}"))?;
+    start(&g.peer, "owner", &format!("serve --listen {owner}"))?;
     start(
         &g.src,
         "bw",
         &format!("bw --to {server} --seconds {STREAM_SECONDS} --ready-file /tmp/bw.ready"),
     )?;
+    start(
+        &g.src,
+        "write",
+        &format!(
+            "write --to {owner} --seconds {STREAM_SECONDS} --size 4096 --regions 16 \
+             --ready-file /tmp/write.ready"
+        ),
+    )?;
     g.src.run_ok(&wait_for("/tmp/bw.ready"), END_WAIT)?;
+    g.src.run_ok(&wait_for("/tmp/write.ready"), END_WAIT)?;
 
     let (ok, output) = migrate_vm(
         bed,
@@ -49,11 +68,15 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         "async-move.log",
     )?;
     assert!(ok, "the move failed:\n{output}");
-    // The stream outlived the move: it was carried through it, not run before or after.
-    let still_running = g.dst.run("[ ! -e /tmp/bw.rc ]", END_WAIT)?.status == 0;
+    // Both runs outlived the move: they were carried through it, not run before or after.
+    let still_running = g
+        .dst
+        .run("[ ! -e /tmp/bw.rc ] && [ ! -e /tmp/write.rc ]", END_WAIT)?
+        .status
+        == 0;
     assert!(
         still_running,
-        "the stream ended before the move did; make it longer"
+        "a run ended before the move did; make it longer"
     );
 
     let sent = finished(&g.dst, "bw")?;
@@ -62,6 +85,20 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
     assert!(count > 0, "{sent}");
     assert_eq!(served["received"], sent["count"], "{served} / {sent}");
     println!("through the move: {sent}");
+
+    let written = finished(&g.dst, "write")?;
+    let owned = finished(&g.peer, "owner")?;
+    let regions = written["count"]
+        .as_u64()
+        .ok_or("no count in the write report")?;
+    assert!(regions > 0, "no region was written: {written}");
+    assert_eq!(owned["verified"], written["count"], "{owned} / {written}");
+    assert_eq!(written["reads"], written["count"], "{written}");
+    assert!(
+        written["established"].as_u64() >= Some(2),
+        "the one-sided connection did not reconnect: {written}"
+    );
+    println!("one-sided through the move: {written}");
 
     // Latency through the async API on the moved VM.
     start(&g.peer, "serve", &format!("serve --listen {server}"))?;

@@ -1,6 +1,7 @@
 //! rdmamig-perf: the connection library's message rate and latency, measured the way perftest
 //! measures raw verbs (ib_send_bw, ib_send_lat), so a benchmark can put the two side by side
-//! on the same guests, through either of the library's APIs (blocking or async).
+//! on the same guests, through either of the library's APIs (blocking or async); and its
+//! one-sided WRITE and READ, checked region by region by the buffer's owner.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use rdmamig_guest::conn::{
-    error_chain, AsyncConnection, AsyncListener, ConnError, ConnectOptions, Connection, Listener,
+    error_chain, Access, AsyncConnection, AsyncListener, ConnError, ConnectOptions, Connection,
+    Exposed, Listener, RemoteBuffer,
 };
+use rdmamig_guest::traffic::regions::{self, Notice, Verdict, NOTICE_LEN, STAMP_LEN};
 use serde::Serialize;
 
 /// Measure rdmamig's migratable connection like perftest measures raw verbs.
@@ -25,6 +28,11 @@ use serde::Serialize;
 ///   bw:  messages back to back (--count of them, or for --seconds), then a final message
 ///        the server answers once it has received them all; `msg_rate` is messages per
 ///        second over that span (ib_send_bw's MsgRate).
+///   write: the server exposes a buffer of --regions regions of --size bytes; the client
+///        takes its handle, then region after region RDMA WRITEs a pattern, waits for the
+///        WRITE to complete, sends a notice with the region's checksum, waits for the server
+///        to verify it in its buffer, and READs the region back; `region_rate` is regions
+///        per second through that whole round.
 ///
 /// Example:
 ///   rdmamig-perf serve --listen 10.77.0.11:7480
@@ -50,7 +58,7 @@ enum Api {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Accept one connection and serve its test: echo `lat` messages, check and count `bw`
-    /// messages.
+    /// messages, expose a buffer for `write` and verify each region written into it.
     Serve {
         /// Address to listen on (an address of the RDMA device).
         #[arg(long)]
@@ -78,6 +86,21 @@ enum Cmd {
         #[arg(long)]
         seconds: Option<f64>,
     },
+    /// One-sided: RDMA WRITE regions of the server's buffer, each verified by the server,
+    /// and READ them back.
+    Write {
+        #[command(flatten)]
+        client: Client,
+        /// Regions of the server's buffer, written in turn.
+        #[arg(long, default_value_t = 16)]
+        regions: u32,
+        /// Regions written.
+        #[arg(long, default_value_t = 2_000, conflicts_with = "seconds")]
+        count: u64,
+        /// Write for this many seconds instead of a count.
+        #[arg(long)]
+        seconds: Option<f64>,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,7 +108,7 @@ struct Client {
     /// The server's address.
     #[arg(long)]
     to: SocketAddr,
-    /// Bytes per message (at least 9: kind and number).
+    /// Bytes per message (at least 9: kind and number), or per region for `write`.
     #[arg(long, default_value_t = 256)]
     size: usize,
     /// Create this file once connected.
@@ -97,6 +120,13 @@ struct Client {
 const ECHO: u8 = b'E';
 const DATA: u8 = b'D';
 const FINISH: u8 = b'F';
+/// `write`: expose the buffer (region size and count follow), and a region's notice.
+const EXPOSE: u8 = b'X';
+const NOTICE: u8 = b'N';
+/// The handle of the buffer the server exposes for `write`.
+const BUFFER: u64 = 1;
+/// The largest buffer the server exposes.
+const MAX_BUFFER: u64 = 64 << 20;
 /// Kind byte and message number.
 const HEADER: usize = 9;
 /// Round trips of the latency test not counted (connection and cache warm-up).
@@ -123,9 +153,20 @@ enum Report {
         msg_rate: f64,
         mbit_s: f64,
     },
+    Write {
+        size: usize,
+        regions: u32,
+        count: u64,
+        reads: u64,
+        seconds: f64,
+        region_rate: f64,
+        /// QPs the connection had: more than one if it moved meanwhile.
+        established: u64,
+    },
     Serve {
         received: u64,
         echoed: u64,
+        verified: u64,
     },
 }
 
@@ -172,11 +213,16 @@ async fn run(cli: Cli) -> Result<Report, String> {
             seconds,
         } => {
             let conn = connect(cli.api, &client).await?;
-            let limit = match seconds {
-                Some(s) => Limit::Seconds(Duration::from_secs_f64(s)),
-                None => Limit::Count(count),
-            };
-            rate(&conn, client.size, limit).await
+            rate(&conn, client.size, Limit::new(count, seconds)).await
+        }
+        Cmd::Write {
+            client,
+            regions,
+            count,
+            seconds,
+        } => {
+            let conn = connect(cli.api, &client).await?;
+            one_sided(&conn, client.size, regions, Limit::new(count, seconds)).await
         }
     }
 }
@@ -205,6 +251,55 @@ impl Conn {
         }
         .map_err(|e| error_chain(&e))?
         .ok_or_else(|| format!("no message within {STEP_TIMEOUT:?}"))
+    }
+
+    fn expose(&self, len: usize) -> Result<Exposed, String> {
+        match self {
+            Conn::Blocking(c) => c.expose(Some(BUFFER), len, Access::ReadWrite),
+            Conn::Async(c) => c.expose(Some(BUFFER), len, Access::ReadWrite),
+        }
+        .map_err(|e| error_chain(&e))
+    }
+
+    async fn remote(&self, handle: u64) -> Result<RemoteBuffer, String> {
+        match self {
+            Conn::Blocking(c) => c.remote(handle, STEP_TIMEOUT),
+            Conn::Async(c) => c.remote(handle, STEP_TIMEOUT).await,
+        }
+        .map_err(|e| error_chain(&e))
+    }
+
+    async fn write(&self, to: &RemoteBuffer, offset: u64, data: &[u8]) -> Result<(), String> {
+        match self {
+            Conn::Blocking(c) => c.write(to, offset, data),
+            Conn::Async(c) => c.write(to, offset, data).await,
+        }
+        .map_err(|e| error_chain(&e))
+    }
+
+    async fn flush_writes(&self) -> Result<(), String> {
+        match self {
+            Conn::Blocking(c) => c.flush_writes(STEP_TIMEOUT),
+            Conn::Async(c) => c.flush_writes(STEP_TIMEOUT).await,
+        }
+        .map_err(|e| error_chain(&e))
+    }
+
+    async fn read(&self, from: &RemoteBuffer, offset: u64, len: usize) -> Result<Vec<u8>, String> {
+        match self {
+            Conn::Blocking(c) => c.read(from, offset, len, STEP_TIMEOUT),
+            Conn::Async(c) => c.read(from, offset, len, STEP_TIMEOUT).await,
+        }
+        .map_err(|e| error_chain(&e))
+    }
+
+    /// Times a QP was established (1 + reconnects).
+    fn established(&self) -> u64 {
+        match self {
+            Conn::Blocking(c) => c.stats(),
+            Conn::Async(c) => c.stats(),
+        }
+        .established
     }
 
     async fn close(&self) -> Result<(), ConnError> {
@@ -272,7 +367,9 @@ fn number_of(msg: &[u8]) -> Result<u64, String> {
 }
 
 async fn serve(conn: &Conn) -> Result<Report, String> {
-    let (mut received, mut echoed) = (0u64, 0u64);
+    let (mut received, mut echoed, mut verified) = (0u64, 0u64, 0u64);
+    // `write`'s buffer and its region size, once the client asked for it.
+    let mut buffer: Option<(Exposed, usize)> = None;
     loop {
         let msg = conn.recv().await?;
         match msg.first() {
@@ -290,6 +387,24 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
                 }
                 received = number;
             }
+            Some(&EXPOSE) => {
+                let (size, regions) = expose_request(&msg)?;
+                buffer = Some((conn.expose(size * regions)?, size));
+            }
+            Some(&NOTICE) => {
+                let (exposed, size) = buffer.as_ref().ok_or("a notice before the buffer")?;
+                let notice = Notice::decode(&msg[1..]).ok_or("a malformed notice")?;
+                let mut found = vec![0u8; *size];
+                exposed
+                    .read(notice.region as usize * size, &mut found)
+                    .map_err(|e| error_chain(&e))?;
+                // The client waits for each answer: its next write cannot overtake this one.
+                match regions::verify(&found, &notice) {
+                    Verdict::Good => verified += 1,
+                    other => return Err(format!("region check failed: {other:?}")),
+                }
+                conn.send(&verified.to_le_bytes()).await?;
+            }
             Some(&FINISH) => {
                 conn.send(&received.to_le_bytes()).await?;
                 break;
@@ -300,7 +415,11 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
     // The client closes once it has the answer; wait for that (its close ends the recv) so
     // the answer is delivered before this side's connection goes away.
     let _ = conn.recv().await;
-    Ok(Report::Serve { received, echoed })
+    Ok(Report::Serve {
+        received,
+        echoed,
+        verified,
+    })
 }
 
 async fn latency(conn: &Conn, size: usize, iters: u32) -> Result<Report, String> {
@@ -326,19 +445,33 @@ async fn latency(conn: &Conn, size: usize, iters: u32) -> Result<Report, String>
     })
 }
 
-/// When a message-rate run stops sending.
+/// When a message-rate or write run stops.
 enum Limit {
     Count(u64),
     Seconds(Duration),
 }
 
+impl Limit {
+    fn new(count: u64, seconds: Option<f64>) -> Limit {
+        match seconds {
+            Some(s) => Limit::Seconds(Duration::from_secs_f64(s)),
+            None => Limit::Count(count),
+        }
+    }
+
+    /// Whether a run that started at `started` and did `done` goes on.
+    fn more(&self, done: u64, started: Instant) -> bool {
+        match self {
+            Limit::Count(n) => done < *n,
+            Limit::Seconds(d) => started.elapsed() < *d,
+        }
+    }
+}
+
 async fn rate(conn: &Conn, size: usize, limit: Limit) -> Result<Report, String> {
     let started = Instant::now();
     let mut sent = 0u64;
-    while match limit {
-        Limit::Count(n) => sent < n,
-        Limit::Seconds(d) => started.elapsed() < d,
-    } {
+    while limit.more(sent, started) {
         sent += 1;
         conn.send(&message(DATA, sent, size)).await?;
     }
@@ -353,14 +486,111 @@ async fn rate(conn: &Conn, size: usize, limit: Limit) -> Result<Report, String> 
     })
 }
 
+/// `write`'s first message: expose `regions` regions of `size` bytes.
+fn expose_message(size: usize, regions: u32) -> Vec<u8> {
+    let mut msg = vec![EXPOSE];
+    msg.extend_from_slice(&(size as u64).to_le_bytes());
+    msg.extend_from_slice(&regions.to_le_bytes());
+    msg
+}
+
+/// The region size and count of an expose message, checked against [`MAX_BUFFER`].
+fn expose_request(msg: &[u8]) -> Result<(usize, usize), String> {
+    let size = msg
+        .get(1..9)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes);
+    let regions = msg
+        .get(9..13)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_le_bytes);
+    match (size, regions) {
+        (Some(size), Some(regions))
+            if size > 0
+                && regions > 0
+                && size
+                    .checked_mul(u64::from(regions))
+                    .is_some_and(|n| n <= MAX_BUFFER) =>
+        {
+            Ok((size as usize, regions as usize))
+        }
+        _ => Err(format!(
+            "a bad expose request {msg:?}: regions and size must be non-zero, the buffer at \
+             most {MAX_BUFFER} bytes"
+        )),
+    }
+}
+
+/// Writes region after region of the server's buffer through its handle: each WRITE is
+/// completed before its notice is sent (so the notice arrives after the data), the server's
+/// answer says it verified the region in its own memory, and a READ must return the same.
+async fn one_sided(conn: &Conn, size: usize, regions: u32, limit: Limit) -> Result<Report, String> {
+    if regions == 0 || size < STAMP_LEN {
+        return Err(format!(
+            "--regions must be at least 1 and --size at least {STAMP_LEN}"
+        ));
+    }
+    conn.send(&expose_message(size, regions)).await?;
+    let buffer = conn.remote(BUFFER).await?;
+    let started = Instant::now();
+    let (mut count, mut reads) = (0u64, 0u64);
+    while limit.more(count, started) {
+        let region = (count % u64::from(regions)) as u32;
+        let round = count / u64::from(regions);
+        let (data, checksum) = regions::fill(round, region, size);
+        let at = u64::from(region) * size as u64;
+        conn.write(&buffer, at, &data).await?;
+        conn.flush_writes().await?;
+        let mut notice = vec![0u8; 1 + NOTICE_LEN];
+        notice[0] = NOTICE;
+        Notice {
+            region,
+            round,
+            checksum,
+        }
+        .encode(&mut notice[1..]);
+        conn.send(&notice).await?;
+        count += 1;
+        let verified = count_in(&conn.recv().await?, "a notice")?;
+        if verified != count {
+            return Err(format!(
+                "region {region} round {round}: the server verified {verified} regions, {count} \
+                 were written"
+            ));
+        }
+        if conn.read(&buffer, at, size).await? != data {
+            return Err(format!(
+                "region {region} round {round}: the READ returned other bytes than were written"
+            ));
+        }
+        reads += 1;
+    }
+    finish(conn, 0).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(Report::Write {
+        size,
+        regions,
+        count,
+        reads,
+        seconds,
+        region_rate: count as f64 / seconds,
+        established: conn.established(),
+    })
+}
+
+/// The count the server answers `what` with.
+fn count_in(answer: &[u8], what: &str) -> Result<u64, String> {
+    <[u8; 8]>::try_from(answer)
+        .map(u64::from_le_bytes)
+        .map_err(|_| format!("{what} answered with {} bytes, not 8", answer.len()))
+}
+
 /// Ends the test: the server answers with how many data messages it received in order, which
 /// must be what was sent (the library promises exactly-once, in-order delivery).
 async fn finish(conn: &Conn, sent: u64) -> Result<(), String> {
     conn.send(&[FINISH]).await?;
     let answer = conn.recv().await?;
-    let received = <[u8; 8]>::try_from(answer.as_slice())
-        .map(u64::from_le_bytes)
-        .map_err(|_| format!("FINISH answered with {} bytes, not 8", answer.len()))?;
+    let received = count_in(&answer, "FINISH")?;
     if received != sent {
         return Err(format!(
             "the server received {received} messages, {sent} were sent"
