@@ -69,15 +69,23 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
     )?;
     assert!(ok, "the move failed:\n{output}");
     // Both runs outlived the move: they were carried through it, not run before or after.
-    let still_running = g
-        .dst
-        .run("[ ! -e /tmp/bw.rc ] && [ ! -e /tmp/write.rc ]", END_WAIT)?
-        .status
-        == 0;
-    assert!(
-        still_running,
-        "a run ended before the move did; make it longer"
-    );
+    for (tag, server) in [("bw", "serve"), ("write", "owner")] {
+        let ended = g
+            .dst
+            .run(&format!("[ -e /tmp/{tag}.rc ]"), END_WAIT)?
+            .status
+            == 0;
+        if ended {
+            // Both sides' errors if it failed (a server's error ends its client); too short a
+            // run otherwise.
+            let said = |r: Result<Value, _>| r.map_or_else(|e| format!("{e}"), |v| v.to_string());
+            panic!(
+                "{tag} ended before the move did:\n{}\nits server:\n{}",
+                said(finished(&g.dst, tag)),
+                said(finished(&g.peer, server))
+            );
+        }
+    }
 
     let sent = finished(&g.dst, "bw")?;
     let served = finished(&g.peer, "serve")?;
