@@ -1008,15 +1008,7 @@ impl Worker {
             }
         }
         while failure.is_none() && link.can_post_data() {
-            let next = link.posted_upto + 1;
-            let Some(front) = st.outbox.front().map(|(s, _)| *s) else {
-                break;
-            };
-            if next < front {
-                link.posted_upto = front - 1;
-                continue;
-            }
-            let Some((seq, data)) = st.outbox.get((next - front) as usize) else {
+            let Some((seq, data)) = next_unsent(&st.outbox, link.posted_upto) else {
                 break;
             };
             let (seq, last_received) = (*seq, st.last_received);
@@ -1229,15 +1221,7 @@ impl Worker {
         bridge.owes_ack |= got_data;
         if result.is_ok() && self.bridging {
             while bridge.has_room() {
-                let next = bridge.sent_upto + 1;
-                let Some(front) = st.outbox.front().map(|(seq, _)| *seq) else {
-                    break;
-                };
-                if next < front {
-                    bridge.sent_upto = front - 1;
-                    continue;
-                }
-                let Some((seq, data)) = st.outbox.get((next - front) as usize) else {
+                let Some((seq, data)) = next_unsent(&st.outbox, bridge.sent_upto) else {
                     break;
                 };
                 let seq = *seq;
@@ -1408,6 +1392,14 @@ impl Worker {
     }
 }
 
+/// The first message of the outbox after `sent_upto` on a path (what the peer acknowledged
+/// meanwhile has left the outbox and is skipped).
+fn next_unsent(outbox: &VecDeque<(u64, Vec<u8>)>, sent_upto: u64) -> Option<&(u64, Vec<u8>)> {
+    let front = outbox.front()?.0;
+    let next = (sent_upto + 1).max(front);
+    outbox.get((next - front) as usize)
+}
+
 /// Where a path starts carrying this side's messages: just below the oldest unacknowledged
 /// one (the receiver has everything before it).
 fn resend_point(st: &super::State) -> u64 {
@@ -1547,6 +1539,16 @@ fn onesided_done(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_next_unsent_message_skips_what_was_acknowledged() {
+        let outbox: VecDeque<(u64, Vec<u8>)> = (5..=8).map(|seq| (seq, vec![seq as u8])).collect();
+        // A path that sent up to 2 while 3 and 4 were acknowledged goes on at 5.
+        assert_eq!(next_unsent(&outbox, 2).map(|m| m.0), Some(5));
+        assert_eq!(next_unsent(&outbox, 6).map(|m| m.0), Some(7));
+        assert_eq!(next_unsent(&outbox, 8), None);
+        assert_eq!(next_unsent(&VecDeque::new(), 0), None);
+    }
 
     #[test]
     fn work_request_id_ranges_never_overlap() {
