@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use thiserror::Error;
@@ -105,6 +105,9 @@ pub struct QmpEvent {
     pub name: String,
     /// Its data (`null` when it has none).
     pub data: Value,
+    /// When QEMU emitted it (its `timestamp`, the host's wall clock); `None` when the event
+    /// carries no time QEMU could read.
+    pub timestamp: Option<SystemTime>,
 }
 
 /// What subscribers receive: events, then one `Closed` when the session ends.
@@ -407,6 +410,7 @@ fn classify(line: &[u8]) -> Result<Incoming, String> {
         return Ok(Incoming::Event(QmpEvent {
             name: name.into(),
             data: value.get("data").cloned().unwrap_or(Value::Null),
+            timestamp: value.get("timestamp").and_then(event_time),
         }));
     }
     let is_answer = value.get("return").is_some() || value.get("error").is_some();
@@ -414,6 +418,18 @@ fn classify(line: &[u8]) -> Result<Incoming, String> {
         Some(id) if is_answer => Ok(Incoming::Answer { id, answer: value }),
         _ => Ok(Incoming::Stray(value)),
     }
+}
+
+/// Reads an event's `timestamp` (`{"seconds": S, "microseconds": US}` since the epoch).
+/// QEMU writes -1 for both when it could not read the clock: that, like anything out of
+/// range, is no time.
+fn event_time(timestamp: &Value) -> Option<SystemTime> {
+    let seconds = timestamp.get("seconds")?.as_u64()?;
+    let micros = timestamp
+        .get("microseconds")?
+        .as_u64()
+        .filter(|us| *us < 1_000_000)?;
+    UNIX_EPOCH.checked_add(Duration::from_secs(seconds).checked_add(Duration::from_micros(micros))?)
 }
 
 /// Reads one `\n`-terminated line (without it), at most [`MAX_LINE`] bytes.
@@ -515,14 +531,16 @@ mod tests {
             classify(br#"{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "DEVICE_DELETED", "data": {"device": "nic0", "path": "/machine/peripheral/nic0"}}"#).unwrap(),
             Incoming::Event(QmpEvent {
                 name: "DEVICE_DELETED".into(),
-                data: json!({"device": "nic0", "path": "/machine/peripheral/nic0"})
+                data: json!({"device": "nic0", "path": "/machine/peripheral/nic0"}),
+                timestamp: Some(UNIX_EPOCH + Duration::from_micros(1_000_002)),
             })
         );
         assert_eq!(
             classify(br#"{"event": "STOP"}"#).unwrap(),
             Incoming::Event(QmpEvent {
                 name: "STOP".into(),
-                data: Value::Null
+                data: Value::Null,
+                timestamp: None,
             })
         );
         assert!(matches!(
@@ -534,6 +552,27 @@ mod tests {
             Incoming::Stray(_)
         ));
         assert!(classify(b"not json").is_err());
+    }
+
+    #[test]
+    fn event_timestamps_are_read_or_refused() {
+        // As QEMU 7.2 stamped a STOP on the test bed.
+        let stamp = json!({"seconds": 1764448995, "microseconds": 123456});
+        assert_eq!(
+            event_time(&stamp),
+            Some(UNIX_EPOCH + Duration::new(1764448995, 123_456_000))
+        );
+        // QEMU's "could not read the clock", and what no clock says.
+        for bad in [
+            json!({"seconds": -1, "microseconds": -1}),
+            json!({"seconds": 1, "microseconds": 1_000_000}),
+            json!({"seconds": 1}),
+            json!({"seconds": "1", "microseconds": 0}),
+            json!({"seconds": u64::MAX, "microseconds": 999_999}),
+            json!(17),
+        ] {
+            assert_eq!(event_time(&bad), None, "{bad}");
+        }
     }
 
     #[test]
