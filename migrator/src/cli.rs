@@ -477,6 +477,7 @@ mod tests {
                 ram_total: None,
                 mbps: None,
                 error: None,
+                vm_stopped_at: None,
             },
         };
         assert_eq!(

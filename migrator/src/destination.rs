@@ -9,7 +9,7 @@
 //! both ends do the same work in the same code.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use rdmamig_proto::ConnectionId;
@@ -64,12 +64,13 @@ pub trait DestinationHost: Send + Sync {
         deadline: Duration,
     ) -> Result<(), StepError>;
 
-    /// Confirms on the destination that the whole VM arrived and runs there.
+    /// Confirms on the destination that the whole VM arrived and runs there; returns when
+    /// the guest started there, where it is known ([`Vmm::confirm_received`]).
     async fn confirm_received(
         &self,
         endpoint: &Endpoint,
         deadline: Duration,
-    ) -> Result<(), StepError>;
+    ) -> Result<Option<SystemTime>, StepError>;
 
     /// Plugs `device` into the arrived VM: as it is, or, with `function`, that reserved
     /// function with `device`'s id, bus and MAC. With `check_first`, a device already there
@@ -191,7 +192,7 @@ impl DestinationHost for LocalDestination {
         &self,
         endpoint: &Endpoint,
         deadline: Duration,
-    ) -> Result<(), StepError> {
+    ) -> Result<Option<SystemTime>, StepError> {
         bounded(deadline + GRACE, async {
             let vmm = self.vmm(endpoint).await?;
             Ok(vmm.confirm_received(deadline).await?)

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdmamig_proto::agent::{
@@ -23,6 +23,12 @@ use rdmamig_vmm::{
 use crate::agent::{AgentError, GuestAgent, Outcomes};
 use crate::mover::Backends;
 use crate::plan::Endpoint;
+
+/// When the fake source stops the guest for the stop-and-copy.
+pub const FAKE_STOP: SystemTime = UNIX_EPOCH;
+
+/// How long after [`FAKE_STOP`] the fake destination starts the guest.
+pub const FAKE_PAUSE: Duration = Duration::from_millis(35);
 
 /// How an operation fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,7 +227,8 @@ impl Vmm for FakeVmm {
                 });
             }
         }
-        let sample = |status| MigrationProgress {
+        let sample = |status: MigrationStatus| MigrationProgress {
+            vm_stopped_at: (status == MigrationStatus::Completed).then_some(FAKE_STOP),
             status,
             total_time_ms: Some(700),
             setup_time_ms: Some(5),
@@ -259,7 +266,7 @@ impl Vmm for FakeVmm {
         }
     }
 
-    async fn confirm_received(&self, _deadline: Duration) -> Result<(), VmmError> {
+    async fn confirm_received(&self, _deadline: Duration) -> Result<Option<SystemTime>, VmmError> {
         self.check_alive("confirm the received migration")?;
         if self.host.call("dst.confirm_received").is_some() {
             return Err(VmmError::MigrationFailed {
@@ -267,7 +274,7 @@ impl Vmm for FakeVmm {
                 reason: "not received, on cue".into(),
             });
         }
-        Ok(())
+        Ok(Some(FAKE_STOP + FAKE_PAUSE))
     }
 
     async fn cancel_migration(&self) -> Result<(), VmmError> {

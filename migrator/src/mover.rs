@@ -34,8 +34,8 @@ use async_trait::async_trait;
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
-    ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase, Vmm,
-    VmmError,
+    vm_paused, ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase,
+    Vmm, VmmError,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -1262,7 +1262,8 @@ impl Mover {
         self.migrated = true;
         self.location = VmLocation::Destination;
         let confirm = Instant::now();
-        self.destination()?
+        let started = self
+            .destination()?
             .confirm_received(
                 &self.plan.destination,
                 deadline.saturating_sub(start.elapsed()),
@@ -1271,6 +1272,11 @@ impl Mover {
         self.journal.append(&Record::Migrated)?;
         let mut details = Map::new();
         details.insert("confirm_ms".into(), millis(confirm.elapsed()).into());
+        // From the source's stop to the destination's start: the VMM's downtime ends with
+        // the send, before the destination runs the guest.
+        if let Some(paused) = vm_paused(done.vm_stopped_at, started) {
+            details.insert("vm_paused_ms".into(), millis(paused).into());
+        }
         for (key, value) in [
             ("vmm_total_ms", done.total_time_ms),
             ("downtime_ms", done.downtime_ms),
@@ -1447,7 +1453,7 @@ fn millis(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fakes::{FakeBackends, FakeHost, Fault, Where};
+    use crate::fakes::{FakeBackends, FakeHost, Fault, Where, FAKE_PAUSE};
     use crate::journal;
     use crate::plan::tests::plan;
     use crate::pool::FunctionState;
@@ -1546,6 +1552,9 @@ mod tests {
         assert!(report.forced.is_empty());
         let phases: Vec<Phase> = report.timeline.phases.iter().map(|p| p.phase).collect();
         assert_eq!(phases, Phase::WORKING);
+        let migrate = &report.timeline.phases[3].details;
+        assert_eq!(migrate["vm_paused_ms"], millis(FAKE_PAUSE));
+        assert_eq!(migrate["downtime_ms"], 20);
         let state = bed.host.state();
         assert_eq!(state.destination_devices, ["nic1".to_string()].into());
         assert_eq!(state.resumed_on, vec![Where::Destination]);

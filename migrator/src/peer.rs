@@ -19,7 +19,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use rdmamig_proto::agent::ConnectionOutcome;
@@ -576,7 +576,7 @@ async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) ->
         PeerCall::ConfirmReceived { endpoint } => local
             .confirm_received(&endpoint, deadline)
             .await
-            .map(|()| PeerAnswer::Done),
+            .map(|_| PeerAnswer::Done),
         PeerCall::Discard { endpoint } => local
             .discard(&endpoint, deadline)
             .await
@@ -789,15 +789,19 @@ impl DestinationHost for RemoteDestination {
         }
     }
 
+    /// The guest's start time stays on the destination host: each peer request connects
+    /// to its VMM anew, so none has watched the incoming side since it was readied.
     async fn confirm_received(
         &self,
         endpoint: &Endpoint,
         deadline: Duration,
-    ) -> Result<(), StepError> {
+    ) -> Result<Option<SystemTime>, StepError> {
         let call = PeerCall::ConfirmReceived {
             endpoint: endpoint.clone(),
         };
-        self.ask_done(call, deadline, "confirm received").await
+        self.ask_done(call, deadline, "confirm received")
+            .await
+            .map(|()| None)
     }
 
     async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError> {

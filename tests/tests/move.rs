@@ -73,6 +73,16 @@ fn assert_coordinated(o: &ScenarioOutcome) {
             .find(|r| r.phase == phase)
             .unwrap_or_else(|| panic!("phase {phase:?} missing from the timeline"));
         assert_eq!(record.outcome, PhaseOutcome::Ok, "phase {phase:?}");
+        if phase == Phase::Migrate {
+            // The guest's pause (source STOP to destination RESUME, QEMU's stamps) lies
+            // within this migration; QEMU's downtime_ms is printed beside it.
+            let paused = &record.details["vm_paused_ms"];
+            assert!(
+                matches!(paused.as_u64(), Some(p) if p > 0 && p <= record.duration_ms),
+                "vm_paused_ms {paused} outside the migrate phase: {:?}",
+                record.details
+            );
+        }
     }
     assert!(
         !report.quiesce.is_empty() && report.quiesce.iter().all(|c| c.ok),

@@ -173,6 +173,7 @@ pub fn progress(event: &Event, elapsed_ms: u64) -> Option<MigrationProgress> {
         ram_total: None,
         mbps: None,
         error,
+        vm_stopped_at: None,
     })
 }
 

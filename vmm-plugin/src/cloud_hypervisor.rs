@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use serde::Deserialize;
@@ -493,6 +493,7 @@ impl Vmm for ChVmm {
                         ram_total: None,
                         mbps: None,
                         error: None,
+                        vm_stopped_at: None,
                     };
                     progress(&sample);
                     Some(sample)
@@ -523,7 +524,7 @@ impl Vmm for ChVmm {
         }
     }
 
-    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError> {
+    async fn confirm_received(&self, deadline: Duration) -> Result<Option<SystemTime>, VmmError> {
         let start = Instant::now();
         let in_flight = self.receiving.lock().await.is_some();
         if in_flight {
@@ -535,7 +536,8 @@ impl Vmm for ChVmm {
         loop {
             let status = self.status().await?;
             if matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
-                return Ok(());
+                // Its event monitor stamps events from the VMM's own start, not the clock.
+                return Ok(None);
             }
             if start.elapsed() >= deadline {
                 return Err(if status.phase == VmPhase::NoVm {

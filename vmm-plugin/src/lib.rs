@@ -22,7 +22,7 @@
 //! conflict with what exists, a request the VMM refused (with its own words), a deadline
 //! that passed (naming the operation), and a VMM that went away.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use thiserror::Error;
@@ -39,7 +39,9 @@ pub mod vsock;
 
 pub use cloud_hypervisor::{ChConfig, ChVmm};
 pub use device::{DeviceSpec, DeviceSpecError};
-pub use migration::{MigrationLimits, MigrationProgress, MigrationStatus, TimeoutStrategy};
+pub use migration::{
+    vm_paused, MigrationLimits, MigrationProgress, MigrationStatus, TimeoutStrategy,
+};
 pub use qemu::{QemuConfig, QemuVmm};
 
 /// A byte stream to the guest agent, whatever carries it (virtio-serial, hybrid vsock).
@@ -128,6 +130,8 @@ pub trait Vmm: Send + Sync {
     async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError>;
 
     /// Waits until the outgoing migration completes, calling `progress` with every sample.
+    /// The completed sample carries the guest's stop time where the VMM tells
+    /// ([`MigrationProgress::vm_stopped_at`]).
     ///
     /// A migration that fails or is cancelled is an error carrying the VMM's reason.
     async fn wait_migration(
@@ -140,7 +144,12 @@ pub trait Vmm: Send + Sync {
     /// state it had at the source); waits up to
     /// `deadline` for it to get there. A migration the destination did not receive is
     /// [`VmmError::MigrationFailed`], however the source saw it end.
-    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError>;
+    ///
+    /// Returns when the guest started running here, by this host's clock, if the VMM tells
+    /// (QEMU's `RESUME` event, seen when this connection readied the incoming side): with
+    /// [`MigrationProgress::vm_stopped_at`] it gives [`vm_paused`]. `None` for a guest that
+    /// arrived paused, or a VMM that does not tell.
+    async fn confirm_received(&self, deadline: Duration) -> Result<Option<SystemTime>, VmmError>;
 
     /// Cancels the outgoing migration.
     async fn cancel_migration(&self) -> Result<(), VmmError>;

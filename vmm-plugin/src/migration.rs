@@ -3,8 +3,12 @@
 //! QEMU answers `query-migrate` with a status and, once the migration is under way, times and
 //! RAM counters; fields appear as the migration advances, so every number is optional. The
 //! parse is kept apart from the socket so that it is tested on QEMU's own answers.
+//!
+//! A VMM's `downtime` is the source's view only (stop to end of send). How long the guest
+//! really did not run ends when the destination starts it: [`vm_paused`] measures it from
+//! the source's stop to the destination's start, both stamped by the VMMs.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -99,6 +103,25 @@ mod optional_s {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
         Ok(Option::<u64>::deserialize(d)?.map(Duration::from_secs))
+    }
+}
+
+/// `Option<SystemTime>` as whole µs since the epoch.
+mod optional_unix_us {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Option<SystemTime>, s: S) -> Result<S::Ok, S::Error> {
+        value
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SystemTime>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?
+            .and_then(|us| UNIX_EPOCH.checked_add(Duration::from_micros(us))))
     }
 }
 
@@ -200,6 +223,11 @@ pub struct MigrationProgress {
     pub mbps: Option<f64>,
     /// Why the migration failed, when it did (QEMU's `error-desc`).
     pub error: Option<String>,
+    /// On a completed migration's sample: when the source stopped the guest for the
+    /// stop-and-copy, by the source host's clock (QEMU's `STOP` event). `None` for a VMM
+    /// that does not tell, or a guest that was not running.
+    #[serde(default, with = "optional_unix_us", rename = "vm_stopped_at_us")]
+    pub vm_stopped_at: Option<SystemTime>,
 }
 
 impl MigrationProgress {
@@ -224,14 +252,27 @@ impl MigrationProgress {
                 .get("error-desc")
                 .and_then(Value::as_str)
                 .map(String::from),
+            vm_stopped_at: None,
         })
     }
+}
+
+/// How long a migrated guest did not run: from the source stopping it (`stopped`) to the
+/// destination starting it (`started`).
+///
+/// The two times come from two VMMs' wall clocks: on one host they share a clock; across
+/// hosts the figure is only as good as their clock synchronisation. `None` when either
+/// time is missing, or when the start comes before the stop (clocks apart): no figure
+/// rather than a wrong one.
+pub fn vm_paused(stopped: Option<SystemTime>, started: Option<SystemTime>) -> Option<Duration> {
+    started?.duration_since(stopped?).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn reads_a_completed_answer() {
@@ -308,6 +349,42 @@ mod tests {
         );
         assert_eq!("IGNORE".parse(), Ok(TimeoutStrategy::Ignore));
         assert!("later".parse::<TimeoutStrategy>().is_err());
+    }
+
+    #[test]
+    fn the_pause_runs_from_the_stop_to_the_start() {
+        let stop = UNIX_EPOCH + Duration::from_micros(1_764_448_995_123_456);
+        let start = stop + Duration::from_micros(151_250);
+        assert_eq!(
+            vm_paused(Some(stop), Some(start)),
+            Some(Duration::from_micros(151_250))
+        );
+        assert_eq!(vm_paused(Some(stop), Some(stop)), Some(Duration::ZERO));
+        // A start before the stop (two hosts' clocks apart) is no figure, never a negative.
+        assert_eq!(vm_paused(Some(start), Some(stop)), None);
+        assert_eq!(vm_paused(None, Some(start)), None);
+        assert_eq!(vm_paused(Some(stop), None), None);
+    }
+
+    #[test]
+    fn the_stop_time_travels_as_microseconds() {
+        let mut p = MigrationProgress::from_qemu(&json!({"status": "completed"})).unwrap();
+        assert_eq!(p.vm_stopped_at, None);
+        p.vm_stopped_at = Some(UNIX_EPOCH + Duration::from_micros(1_764_448_995_123_456));
+        let value = serde_json::to_value(&p).unwrap();
+        assert_eq!(value["vm_stopped_at_us"], json!(1_764_448_995_123_456u64));
+        assert_eq!(
+            serde_json::from_value::<MigrationProgress>(value).unwrap(),
+            p
+        );
+        let mut old = serde_json::to_value(&p).unwrap();
+        old.as_object_mut().unwrap().remove("vm_stopped_at_us");
+        assert_eq!(
+            serde_json::from_value::<MigrationProgress>(old)
+                .unwrap()
+                .vm_stopped_at,
+            None
+        );
     }
 
     #[test]

@@ -8,15 +8,18 @@
 //! [`MigrationLimits::timeout`] with Cloud Hypervisor's strategies (cancel the migration, or
 //! lift the downtime limit so it completes), so that both backends end it the same way.
 //! QEMU's error classes are translated into [`VmmError`]'s kinds here and nowhere else.
+//! How long the guest did not run during a migration comes from QEMU's own event stamps:
+//! the source's `STOP` and the destination's `RESUME`, each watched from before the command
+//! that starts that side's migration.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio::net::UnixStream;
 
-use crate::qmp::{QmpClient, QmpError};
+use crate::qmp::{EventStream, QmpClient, QmpError};
 use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
 use crate::{MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
 use crate::{VmPhase, VmStatus, VmmError};
@@ -77,6 +80,10 @@ pub struct QemuVmm {
     unplugging: std::sync::Mutex<std::collections::HashSet<String>>,
     /// When the outgoing migration reaches its timeout limit, if it has one, and what then.
     migration_end: std::sync::Mutex<Option<MigrationTimeout>>,
+    /// QEMU's events since this connection started a migration's side (`migrate` at the
+    /// source, `migrate-incoming` at the destination), until that migration ended: where
+    /// the guest's stop and start times are read.
+    migration_events: std::sync::Mutex<Option<EventStream>>,
 }
 
 impl QemuVmm {
@@ -96,6 +103,7 @@ impl QemuVmm {
             config,
             unplugging: std::sync::Mutex::default(),
             migration_end: std::sync::Mutex::default(),
+            migration_events: std::sync::Mutex::default(),
         })
     }
 
@@ -172,6 +180,32 @@ impl QemuVmm {
                     .map(|(b, s, f)| format!("0000:{b:02x}:{s:02x}.{f}"))
             })
         }))
+    }
+
+    /// Starts watching QEMU's events for the migration about to start on this side.
+    fn watch_migration(&self) {
+        *self.migration_events() = Some(self.qmp.subscribe());
+    }
+
+    fn migration_events(&self) -> std::sync::MutexGuard<'_, Option<EventStream>> {
+        self.migration_events
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// When QEMU emitted the first event `name` since [`Self::watch_migration`], and stops
+    /// watching. QEMU writes an event before its answer to any later command, so an event
+    /// that a state seen in an answer implies is already here: the short wait only bounds
+    /// the search when there is none. A measurement, never a failure: `None` without it.
+    async fn migration_event_time(&self, name: &str) -> Option<SystemTime> {
+        let mut events = self.migration_events().take()?;
+        match events
+            .wait_for(self.config.poll_interval, |event| event.name == name)
+            .await
+        {
+            Ok(Some(event)) => event.timestamp,
+            Ok(None) | Err(_) => None,
+        }
     }
 
     async fn query_migrate(&self) -> Result<MigrationProgress, VmmError> {
@@ -326,6 +360,7 @@ impl Vmm for QemuVmm {
     }
 
     async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError> {
+        self.watch_migration();
         self.run(
             "prepare incoming migration",
             uri,
@@ -364,6 +399,7 @@ impl Vmm for QemuVmm {
                 limit,
                 strategy: limits.timeout_strategy,
             });
+        self.watch_migration();
         self.run(
             "send migration",
             uri,
@@ -385,7 +421,13 @@ impl Vmm for QemuVmm {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         loop {
-            let sample = self.query_migrate().await?;
+            let mut sample = self.query_migrate().await?;
+            if sample.status == MigrationStatus::Completed {
+                // Stopped for the stop-and-copy before QEMU said completed.
+                sample.vm_stopped_at = self.migration_event_time("STOP").await;
+            } else if sample.status.is_final() {
+                *self.migration_events() = None;
+            }
             progress(&sample);
             if let Some(limit) = timeout.filter(|t| Instant::now() >= t.at) {
                 if !sample.status.is_final() {
@@ -444,7 +486,7 @@ impl Vmm for QemuVmm {
         }
     }
 
-    async fn confirm_received(&self, deadline: Duration) -> Result<(), VmmError> {
+    async fn confirm_received(&self, deadline: Duration) -> Result<Option<SystemTime>, VmmError> {
         // The destination's own view: its incoming migration did not fail and the VM is
         // there; it leaves `inmigrate` a moment after the source saw `completed`.
         let end = Instant::now() + deadline;
@@ -454,6 +496,7 @@ impl Vmm for QemuVmm {
                 incoming.status,
                 MigrationStatus::Failed | MigrationStatus::Cancelled
             ) {
+                *self.migration_events() = None;
                 return Err(VmmError::MigrationFailed {
                     reason: incoming
                         .error
@@ -466,7 +509,12 @@ impl Vmm for QemuVmm {
             // state the source had (`running`, `paused`, or `prelaunch` for a VM never
             // started); it may then forget the incoming migration (query-migrate: nothing).
             if status.phase != VmPhase::Incoming {
-                return Ok(());
+                // QEMU announces RESUME before the run state says running.
+                if status.running {
+                    return Ok(self.migration_event_time("RESUME").await);
+                }
+                *self.migration_events() = None;
+                return Ok(None);
             }
             if Instant::now() >= end {
                 return Err(VmmError::TimedOut {

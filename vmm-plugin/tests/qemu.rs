@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use rdmamig_vmm::qmp::QmpError;
 use rdmamig_vmm::{
-    DeviceSpec, MigrationLimits, MigrationStatus, QemuConfig, QemuVmm, TimeoutStrategy, Vmm,
-    VmmError,
+    vm_paused, DeviceSpec, MigrationLimits, MigrationStatus, QemuConfig, QemuVmm, TimeoutStrategy,
+    Vmm, VmmError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -256,8 +256,11 @@ async fn migrates_between_two_processes_with_progress() {
     assert!(done.ram_total.unwrap() >= 128 << 20);
     assert!(done.total_time_ms.is_some() && done.downtime_ms.is_some());
     assert_eq!(src.status().await.unwrap().state, "postmigrate");
+    // Never started, so never stopped or started by the migration: no pause to measure.
+    assert_eq!(done.vm_stopped_at, None);
     // The destination's own word: it received the VM (not started, as at the source).
-    dst.confirm_received(Duration::from_secs(10)).await.unwrap();
+    let started = dst.confirm_received(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(started, None);
     let arrived = dst.status().await.unwrap();
     assert_eq!(arrived.state, "prelaunch", "{arrived:?}");
     assert!(!arrived.running);
@@ -265,6 +268,36 @@ async fn migrates_between_two_processes_with_progress() {
     // The destination owns the VM now and takes a new device.
     let nic = DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap();
     dst.add_device(&nic).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_running_vm_is_paused_from_the_sources_stop_to_the_destinations_start() {
+    // Running at the source (its firmware finds nothing to boot and waits); the destination
+    // starts it once the state is in, as a VM that was running.
+    let source = Qemu::start(&[]);
+    let destination = Qemu::start(&["-incoming", "defer"]);
+    let src = source.connect().await;
+    let dst = destination.connect().await;
+    assert!(src.status().await.unwrap().running);
+    let via = uri(&destination.path("mig.sock"));
+    dst.prepare_incoming(&via).await.unwrap();
+    src.send_migration(&via, &MigrationLimits::default())
+        .await
+        .unwrap();
+    let done = src
+        .wait_migration(Duration::from_secs(30), &mut |_| {})
+        .await
+        .unwrap();
+    let started = dst.confirm_received(Duration::from_secs(10)).await.unwrap();
+    assert!(dst.status().await.unwrap().running);
+    let stopped = done.vm_stopped_at.expect("the source's STOP time");
+    let started = started.expect("the destination's RESUME time");
+    let paused = vm_paused(Some(stopped), Some(started)).expect("the start after the stop");
+    eprintln!(
+        "QEMU downtime {:?} ms, VM paused {paused:?} (STOP to RESUME)",
+        done.downtime_ms
+    );
+    assert!(paused < Duration::from_secs(30), "{paused:?}");
 }
 
 #[tokio::test]
