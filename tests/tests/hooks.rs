@@ -7,8 +7,10 @@
 //! - Wrapper: `rdmamig-vmm migrate <destination_url>` in place of
 //!   `ch-remote send-migration <destination_url>`, through the rdmamig daemon.
 //!
-//! Either way nothing may be lost, duplicated or reordered and neither side may see an
-//! error. Needs root, /dev/net/tun, qemu-system-x86_64 and the workspace's binaries
+//! Both run strategy `bridge` (traffic with a TCP bridge on the permanent NICs;
+//! `pre-migrate --bridge`, `migrate --strategy bridge`): either way nothing may be lost,
+//! duplicated or reordered, neither side may see an error, and both sides must have carried
+//! messages over the bridge while the NIC was away. Needs root, /dev/net/tun, qemu-system-x86_64 and the workspace's binaries
 //! (scripts/setup.sh builds them); fails (never skips) without them.
 
 use std::process::Command;
@@ -83,6 +85,8 @@ fn workflow_migrates(src: &Guest, dst: &Guest) -> StepResult<Duration> {
 
 /// Boots a peer and a source with traffic both ways and a destination, runs `move_vm`,
 /// then checks the traffic on the destination and the peer.
+/// Starts bridged traffic between a peer and a source VM, moves the source with `move_vm`,
+/// and checks the traffic: clean both ways, and carried over the bridge by both sides.
 fn run(
     name: &str,
     move_vm: impl FnOnce(&Testbed, &Guest, &Guest) -> StepResult<()>,
@@ -100,7 +104,8 @@ fn run(
     let dst = bed.start_incoming(dst_spec)?;
     let result = (|| {
         let server = format!("{}:{PORT}", peer_spec.address());
-        let mode = format!("--mode migratable --rate {RATE}");
+        let bridge = format!("{}:{PORT}", peer_spec.permanent_address());
+        let mode = format!("--mode migratable --rate {RATE} --bridge {bridge}");
         steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
         steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
         steps::wait_ready(&peer, "h")?;
@@ -118,6 +123,12 @@ fn run(
         eprintln!("peer received: {peer_report:?}\nmoved VM received: {moved:?}");
         steps::assert_clean("peer", &peer_report, &moved);
         steps::assert_clean("moved VM", &moved, &peer_report);
+        assert!(
+            moved.bridged > 0 && peer_report.bridged > 0,
+            "nothing went over the bridge: moved VM sent {}, peer sent {}",
+            moved.bridged,
+            peer_report.bridged
+        );
         Ok(())
     })();
     if result.is_err() {
@@ -131,7 +142,12 @@ fn run(
 fn hooks_around_the_workflows_migration_keep_every_message() {
     let outcome = run("hooks", |_, src, dst| {
         let mut pre = vmm_args(src);
-        pre.extend(["pre-migrate".into(), "--detach".into(), "nic0".into()]);
+        pre.extend([
+            "pre-migrate".into(),
+            "--detach".into(),
+            "nic0".into(),
+            "--bridge".into(),
+        ]);
         let (code, report, output) = rdmamig_vmm(&pre)?;
         eprintln!("pre-migrate: {output}");
         assert_eq!(code, 0, "pre-migrate failed: {output}");
@@ -224,6 +240,8 @@ fn the_migrate_wrapper_moves_through_the_daemon() {
             format!("unix:{}", dst.migration_socket_path().display()),
             "--migration-timeout-s".into(),
             "60".into(),
+            "--strategy".into(),
+            "bridge".into(),
             "--socket".into(),
             daemon.socket().display().to_string(),
             "--vm".into(),

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
 use rdmamig_migrator::mover::{error_chain, Backends, VmmBackends};
-use rdmamig_migrator::plan::EndpointFlags;
+use rdmamig_migrator::plan::{EndpointFlags, Strategy};
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::{DeviceSpec, TimeoutStrategy, Vmm};
 use serde_json::{json, Value};
@@ -113,6 +113,10 @@ enum Command {
         /// Deadline for the unplug, ms (the guest releases the NIC only when nothing holds it).
         #[arg(long, default_value_t = 5_000)]
         detach_ms: u64,
+        /// Strategy bridge: connections with a TCP bridge carry their messages over it until
+        /// post-migrate has brought the RDMA path back.
+        #[arg(long)]
+        bridge: bool,
     },
     /// On the destination, after the migration: plug the new NIC, resume every connection.
     PostMigrate {
@@ -148,6 +152,9 @@ struct MigrateArgs {
     /// or ignore (finish whatever the downtime).
     #[arg(long, default_value_t = TimeoutStrategy::Cancel)]
     timeout_strategy: TimeoutStrategy,
+    /// How the connections get through the move (as `rdmamig migrate --strategy`).
+    #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
+    strategy: Strategy,
     /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
     #[arg(long, help_heading = "Destination VMM (one of)")]
     to_api_socket: Option<PathBuf>,
@@ -239,6 +246,7 @@ fn main() -> ExitCode {
             detach,
             quiesce_ms,
             detach_ms,
+            bridge,
         } => (
             "pre-migrate",
             runtime.block_on(pre_migrate(
@@ -246,6 +254,7 @@ fn main() -> ExitCode {
                 &detach,
                 Duration::from_millis(quiesce_ms),
                 Duration::from_millis(detach_ms),
+                bridge,
             )),
         ),
         Command::PostMigrate { attach, resume_ms } => (
@@ -316,6 +325,7 @@ async fn pre_migrate(
     detach: &str,
     quiesce_deadline: Duration,
     detach_deadline: Duration,
+    bridge: bool,
 ) -> Result<Value, Failure> {
     let vmm = connect(args).await?;
     let start = Instant::now();
@@ -329,7 +339,7 @@ async fn pre_migrate(
         .quiesce(
             &ids,
             quiesce_deadline.saturating_sub(start.elapsed()),
-            false,
+            bridge,
         )
         .await
         .map_err(|e| failed(error_chain(&e), json!({"connections": ids.len()})))?;
@@ -453,7 +463,7 @@ fn migrate(vmm: &VmmArgs, args: MigrateArgs) -> ExitCode {
         .arg("migrate")
         .arg("--socket")
         .arg(&args.socket)
-        .args(["--vm", &args.vm, "--strategy", "reconnect"])
+        .args(["--vm", &args.vm, "--strategy", &args.strategy.to_string()])
         .args(["--detach", &args.detach, "--attach", &args.attach])
         .args(["--via", &args.destination_url])
         .arg("--agent-port")
