@@ -326,12 +326,8 @@ fn render_switching(
     bridge: &ScenarioOutcome,
     naive: &ScenarioOutcome,
 ) -> String {
-    let downtime = |o: &ScenarioOutcome| {
-        o.move_report
-            .as_ref()
-            .and_then(|r| r.migration.as_ref())
-            .and_then(|m| m.downtime_ms)
-    };
+    let downtime = ScenarioOutcome::vmm_downtime_ms;
+    let paused = ScenarioOutcome::vm_paused_ms;
     let shown = |d: Option<u64>| d.map_or("?".to_owned(), |d| d.to_string());
     let lost = |o: &ScenarioOutcome| o.peer.lost + o.mover.lost;
     let gap = |o: &ScenarioOutcome| o.peer.max_gap_ms;
@@ -343,6 +339,7 @@ fn render_switching(
          |----------------------------------------|------:|----------:|-------:|\n\
          | largest gap at the peer (ms)           | {:>5.0} | {:>9.0} | {:>6.0} |\n\
          | VMM downtime (ms)                      | {:>5} | {:>9} | {:>6} |\n\
+         | VM paused, STOP to RESUME (ms)         | {:>5} | {:>9} | {:>6} |\n\
          | messages lost                          | {:>5} | {:>9} | {:>6} |\n\
          reconnect / naive gap: {reconnect_ratio:.2} (target <= 0.60: {}); nothing lost with reconnect: {}\n\
          bridge gap - its VMM downtime: {} ms (target <= 10: {}); nothing lost with bridge: {}\n\
@@ -353,6 +350,9 @@ fn render_switching(
         shown(downtime(naive)),
         shown(downtime(reconnect)),
         shown(downtime(bridge)),
+        shown(paused(naive)),
+        shown(paused(reconnect)),
+        shown(paused(bridge)),
         lost(naive),
         lost(reconnect),
         lost(bridge),

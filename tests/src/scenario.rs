@@ -121,6 +121,28 @@ pub struct ScenarioOutcome {
     pub peer_clock_offset_ms: i64,
 }
 
+impl ScenarioOutcome {
+    /// QEMU's reported downtime of the migration (the source's stop-and-copy).
+    pub fn vmm_downtime_ms(&self) -> Option<u64> {
+        self.move_report
+            .as_ref()
+            .and_then(|r| r.migration.as_ref())
+            .and_then(|m| m.downtime_ms)
+    }
+
+    /// How long the guest did not run (source STOP to destination RESUME), from the
+    /// migrate phase's details.
+    pub fn vm_paused_ms(&self) -> Option<u64> {
+        let report = self.move_report.as_ref()?;
+        let migrate = report
+            .timeline
+            .phases
+            .iter()
+            .find(|r| r.phase == rdmamig_migrator::machine::Phase::Migrate)?;
+        migrate.details.get("vm_paused_ms")?.as_u64()
+    }
+}
+
 /// Why a scenario could not be run to the end.
 #[derive(Debug, Error)]
 pub enum ScenarioError {
@@ -585,6 +607,7 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
 
 /// Outcomes side by side, one column per move, headed by its strategy.
 pub fn compare(outcomes: &[ScenarioOutcome]) -> String {
+    let shown = |ms: Option<u64>| ms.map_or("?".to_owned(), |ms| ms.to_string());
     let row = |what: &str, f: &dyn Fn(&ScenarioOutcome) -> String| {
         let cells: String = outcomes
             .iter()
@@ -604,12 +627,9 @@ pub fn compare(outcomes: &[ScenarioOutcome]) -> String {
     text += &row("largest gap at the moving VM (ms, its clock)", &|o| {
         format!("{:.1}", o.mover.max_gap_ms)
     });
-    text += &row("VMM downtime (ms)", &|o| {
-        o.move_report
-            .as_ref()
-            .and_then(|r| r.migration.as_ref())
-            .and_then(|m| m.downtime_ms)
-            .map_or("?".to_owned(), |d| d.to_string())
+    text += &row("VMM downtime (ms)", &|o| shown(o.vmm_downtime_ms()));
+    text += &row("VM paused, STOP to RESUME (ms)", &|o| {
+        shown(o.vm_paused_ms())
     });
     text += &row("messages lost (peer + moving VM)", &|o| {
         (o.peer.lost + o.mover.lost).to_string()
