@@ -489,11 +489,14 @@ impl ConnShared {
         }
     }
 
-    /// The worker takes the wake-up before it looks at the shared state, so whatever is
-    /// queued after this either is seen in this round or writes the eventfd again.
+    /// The worker takes the wake-up before it looks at the shared state: it drains the
+    /// eventfd, then clears the flag. Whatever is queued before the flag is cleared is seen
+    /// in this round; whatever comes after writes the eventfd again. (Clearing first would
+    /// let a write land between the two and be drained with the flag left set: the next
+    /// wake-up would be lost until the poll's timeout.)
     pub(crate) fn take_wake(&self) {
-        self.wake_pending.store(false, Ordering::SeqCst);
         let _ = self.wake.read();
+        self.wake_pending.store(false, Ordering::SeqCst);
     }
 
     pub(crate) fn command(&self, cmd: Command) -> Result<(), Command> {
