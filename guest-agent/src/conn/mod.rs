@@ -867,3 +867,51 @@ impl Drop for Connection {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    use std::sync::atomic::AtomicU64;
+
+    /// An application notifying as fast as it can, against a worker that sleeps on the
+    /// eventfd as the real one does: the worker's poll must never run into its timeout while
+    /// a notification it has not seen is pending (that is a lost wake-up: the real worker
+    /// would leave a message waiting for its 100 ms tick).
+    #[test]
+    fn no_wake_up_is_lost_under_a_stream_of_notifications() {
+        let (shared, _commands) =
+            ConnShared::new(1, [0; 16], Role::Active, ConnectOptions::default()).unwrap();
+        let posted = Arc::new(AtomicU64::new(0));
+        let lost = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (shared, posted, lost, done) =
+                (shared.clone(), posted.clone(), lost.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut seen = 0;
+                while !done.load(Ordering::SeqCst) {
+                    let mut fds = [PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN)];
+                    let ready = poll(&mut fds, PollTimeout::from(1000u16)).unwrap_or(0);
+                    if ready == 0 && posted.load(Ordering::SeqCst) > seen {
+                        lost.store(true, Ordering::SeqCst);
+                    }
+                    shared.take_wake();
+                    seen = posted.load(Ordering::SeqCst);
+                }
+            })
+        };
+        for i in 1..=300_000u64 {
+            posted.store(i, Ordering::SeqCst);
+            shared.notify_worker();
+        }
+        done.store(true, Ordering::SeqCst);
+        shared.notify_worker();
+        worker.join().unwrap();
+        assert!(
+            !lost.load(Ordering::SeqCst),
+            "the worker slept through a notification"
+        );
+    }
+}
