@@ -66,6 +66,19 @@ pub enum ConsoleError {
         /// What was awaited.
         what: String,
     },
+    /// The guest did not even start the command: no `@@BEGIN` marker came back in time
+    /// (the shell never read it, or the connection does not reach the guest).
+    #[error(
+        "the guest did not start {command:?} within {waited:?} (no @@BEGIN on console {socket})"
+    )]
+    NotStarted {
+        /// The console socket.
+        socket: PathBuf,
+        /// The command.
+        command: String,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// The awaited output did not arrive in time.
     #[error("timed out after {waited:?} waiting for {what} on console {socket}")]
     Timeout {
@@ -222,7 +235,7 @@ impl Console {
         let begin = format!("@@BEGIN {token}\n");
         let done = format!("\n@@DONE {token} ");
         let what = format!("command {command:?}");
-        self.wait_until(&what, timeout, |data| {
+        let result = self.wait_until(&what, timeout, |data| {
             let start = find(data, begin.as_bytes(), 0)? + begin.len();
             let end = find(data, done.as_bytes(), start)?;
             let status_start = end + done.len();
@@ -234,7 +247,19 @@ impl Console {
                 .unwrap_or(-1);
             let output = String::from_utf8_lossy(&data[start..end]).into_owned();
             Some((status_end + 1, CommandOutput { status, output }))
-        })
+        });
+        match result {
+            Err(ConsoleError::Timeout { waited, .. })
+                if find(&self.shared.lock().data, begin.as_bytes(), 0).is_none() =>
+            {
+                Err(ConsoleError::NotStarted {
+                    socket: self.socket.clone(),
+                    command: command.to_owned(),
+                    waited,
+                })
+            }
+            other => other,
+        }
     }
 
     /// Waits until `parse` finds what it looks for in the unconsumed console bytes; it returns
@@ -323,6 +348,29 @@ mod tests {
             .spawn()
             .unwrap();
         (console, child, dir)
+    }
+
+    /// A command nothing reads is reported as never started (what `Guest::run` sends again),
+    /// while a started one that runs past its deadline stays a time-out.
+    #[test]
+    fn a_command_the_guest_never_reads_is_not_started_one_that_runs_long_times_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let console = Console::connect(&path, Duration::from_secs(5)).unwrap();
+        let (_silent_guest, _) = listener.accept().unwrap();
+        assert!(matches!(
+            console.run("echo hi", Duration::from_millis(300)),
+            Err(ConsoleError::NotStarted { .. })
+        ));
+        let (console, mut child, _dir) = shell_console();
+        assert!(matches!(
+            console.run("sleep 5", Duration::from_millis(500)),
+            Err(ConsoleError::Timeout { .. })
+        ));
+        drop(console);
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]

@@ -455,11 +455,30 @@ impl Guest {
         if self.console_missing() {
             self.reattach_console()?;
         }
-        let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(console) = console.as_ref() else {
-            unreachable!("the console was attached above")
+        let first = {
+            let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(console) = console.as_ref() else {
+                unreachable!("the console was attached above")
+            };
+            console.run(command, timeout)
         };
-        console.run(command, timeout).map_err(command_error)
+        match first {
+            // A command the guest never started can be sent again: once, on a fresh
+            // connection (CI once saw a migrated guest's console take no command at all).
+            Err(e @ ConsoleError::NotStarted { .. }) => {
+                eprintln!(
+                    "guest {}: {e}; sending it again on a fresh console connection",
+                    self.spec.name
+                );
+                self.reattach_console()?;
+                let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(console) = console.as_ref() else {
+                    unreachable!("reattach_console attached a console")
+                };
+                console.run(command, timeout).map_err(command_error)
+            }
+            other => other.map_err(command_error),
+        }
     }
 
     /// Like [`Guest::run`], but a non-zero status is an error; returns the output.
