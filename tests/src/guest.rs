@@ -467,8 +467,10 @@ impl Guest {
             // connection (CI once saw a migrated guest's console take no command at all).
             Err(e @ ConsoleError::NotStarted { .. }) => {
                 eprintln!(
-                    "guest {}: {e}; sending it again on a fresh console connection",
-                    self.spec.name
+                    "guest {}: {e} (QEMU says {}); sending it again on a fresh console \
+                     connection",
+                    self.spec.name,
+                    self.process.run_state()
                 );
                 self.reattach_console()?;
                 let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
