@@ -187,6 +187,9 @@ pub fn time_of_day(ms: u64) -> String {
     )
 }
 
+/// Missing counters a report lists by number.
+pub const HOLES_SHOWN: usize = 16;
+
 /// Receive-side accounting of the peer's numbered messages (counters start at 0).
 #[derive(Debug, Default)]
 pub struct Tracker {
@@ -258,6 +261,10 @@ pub struct Report {
     pub received: u64,
     /// Gaps in the peer's numbering.
     pub lost: u64,
+    /// The first of those missing counters (at most [`HOLES_SHOWN`]), to place a loss in
+    /// the run.
+    #[serde(default)]
+    pub first_holes: Vec<u64>,
     /// Messages received more than once.
     pub duplicated: u64,
     /// Messages that arrived after a later one.
@@ -325,6 +332,8 @@ impl Report {
             total.send_failures += r.send_failures;
             total.received += r.received;
             total.lost += r.lost;
+            total.first_holes.extend(r.first_holes);
+            total.first_holes.truncate(HOLES_SHOWN);
             total.duplicated += r.duplicated;
             total.reordered += r.reordered;
             total.next_expected += r.next_expected;
@@ -777,6 +786,7 @@ impl Flow {
             send_failures: self.send_failures.load(Ordering::Relaxed),
             received: t.received,
             lost: t.lost(),
+            first_holes: t.holes.iter().take(HOLES_SHOWN).copied().collect(),
             duplicated: t.duplicated,
             reordered: t.reordered,
             next_expected: t.next,
