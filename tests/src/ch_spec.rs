@@ -515,3 +515,18 @@ pub fn check_against_spec(recorded: &[Recorded]) {
         }
     }
 }
+
+/// Appends one event to `path` as Cloud Hypervisor's event monitor writes it
+/// (pretty-printed JSON, one object after another).
+pub fn append_event(path: &std::path::Path, event: &str) {
+    let text = serde_json::to_string_pretty(&json!({
+        "timestamp": {"secs": 1, "nanos": 0}, "source": "vm", "event": event, "properties": null
+    }))
+    .expect("an event serialises");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("the event monitor file opens");
+    std::io::Write::write_all(&mut file, text.as_bytes()).expect("the event is written");
+}

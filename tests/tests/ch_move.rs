@@ -27,7 +27,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use rdmamig_testbed::ch_spec::{
-    check_against_spec, response_schema, spec_body, successful, validate, vm_info, FakeCh,
+    append_event, check_against_spec, response_schema, spec_body, successful, validate, vm_info,
+    FakeCh,
 };
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::{bin_dir, error_chain, GuestBinaries, Testbed};
@@ -91,7 +92,7 @@ fn source_api(world: Shared, events: std::path::PathBuf) -> FakeCh {
                     ["migration-started", "migration-finished"].as_slice()
                 };
                 for event in outcome {
-                    write_event(&events, event);
+                    append_event(&events, event);
                 }
                 arrived.notify_all();
                 (204, Vec::new())
@@ -153,20 +154,6 @@ fn pci_device(id: &str) -> Value {
     )
     .expect("the stand-in answers what the spec allows");
     added
-}
-
-/// Appends one event as Cloud Hypervisor's event monitor writes it (pretty-printed JSON).
-fn write_event(path: &Path, event: &str) {
-    let text = serde_json::to_string_pretty(&json!({
-        "timestamp": {"secs": 1, "nanos": 0}, "source": "vm", "event": event, "properties": null
-    }))
-    .unwrap();
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .unwrap();
-    std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
 }
 
 /// The bodies sent to `path` (under /api/v1).

@@ -13,13 +13,12 @@
 //!   it cannot drift from what Cloud Hypervisor sends.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdmamig_testbed::ch_spec::{
-    check_against_spec, endpoint_of, operation, response_schema, spec_body, spec_statuses,
-    successful, validate, vm_info, FakeCh,
+    append_event, check_against_spec, endpoint_of, operation, response_schema, spec_body,
+    spec_statuses, successful, validate, vm_info, FakeCh,
 };
 use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
 use rdmamig_vmm::{
@@ -303,25 +302,12 @@ async fn the_source_losing_the_vm_confirms_the_migration() {
     assert!(samples > 0);
 }
 
-fn write_event(path: &Path, event: &str) {
-    let text = serde_json::to_string_pretty(&json!({
-        "timestamp": {"secs": 1, "nanos": 2}, "source": "vm", "event": event, "properties": null
-    }))
-    .unwrap();
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .unwrap();
-    std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
-}
-
 #[tokio::test]
 async fn the_event_monitor_tells_failure_from_success() {
     let fake = FakeCh::start(successful);
     let events = fake.path("events.json");
     // An earlier migration's outcome is not this one's.
-    write_event(&events, "migration-finished");
+    append_event(&events, "migration-finished");
     let mut config = fake.config();
     config.event_monitor = Some(events.clone());
     let vmm = ChVmm::connect(config).await.unwrap();
@@ -329,10 +315,10 @@ async fn the_event_monitor_tells_failure_from_success() {
     vmm.send_migration("unix:/dst", &MigrationLimits::default())
         .await
         .unwrap();
-    write_event(&events, "migration-started");
-    write_event(&events, "migration-memory-iteration");
-    write_event(&events, "migration-failed");
-    write_event(&events, "resumed");
+    append_event(&events, "migration-started");
+    append_event(&events, "migration-memory-iteration");
+    append_event(&events, "migration-failed");
+    append_event(&events, "resumed");
     let mut statuses = Vec::new();
     let err = vmm
         .wait_migration(Duration::from_secs(5), &mut |p| {
@@ -366,9 +352,9 @@ async fn the_event_monitor_tells_failure_from_success() {
     let wait = vmm.wait_migration(Duration::from_secs(5), &mut ignore);
     let writer = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        write_event(&events, "migration-started");
-        write_event(&events, "paused");
-        write_event(&events, "migration-finished");
+        append_event(&events, "migration-started");
+        append_event(&events, "paused");
+        append_event(&events, "migration-finished");
     };
     let (done, ()) = tokio::join!(wait, writer);
     assert_eq!(done.unwrap().status, MigrationStatus::Completed);
