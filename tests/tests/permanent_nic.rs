@@ -60,11 +60,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         ),
         STEP_TIMEOUT,
     )?;
-    g.peer.run_ok(
-        "i=0; until grep -q before /tmp/kept.rx 2>/dev/null; do i=$((i+1)); \
-         [ $i -gt 200 ] && exit 1; sleep 0.05; done",
-        STEP_TIMEOUT,
-    )?;
+    wait_for_text(&g.peer, "/tmp/kept.rx", "before")?;
     let changes_before = carrier_changes(&g.src, &dev)?;
 
     g.start_flow(TAG, "--mode migratable --rate 100")?;
@@ -119,11 +115,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         &format!("echo fresh | nc -w 5 {peer} {FRESH_PORT}"),
         STEP_TIMEOUT,
     )?;
-    g.peer.run_ok(
-        "i=0; until grep -q fresh /tmp/fresh.rx 2>/dev/null; do i=$((i+1)); \
-         [ $i -gt 200 ] && exit 1; sleep 0.05; done",
-        STEP_TIMEOUT,
-    )?;
+    wait_for_text(&g.peer, "/tmp/fresh.rx", "fresh")?;
 
     // The RDMA traffic beside it went through the move as usual.
     stop_traffic(&g.dst, TAG)?;
@@ -137,6 +129,18 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
          RDMA traffic {} / {} messages",
         mover.received, peer_report.received
     );
+    Ok(())
+}
+
+/// Waits (up to 10 s) until `file` in `guest` contains `text`.
+fn wait_for_text(guest: &Guest, file: &str, text: &str) -> Result<(), Box<dyn std::error::Error>> {
+    guest.run_ok(
+        &format!(
+            "i=0; until grep -q {text} {file} 2>/dev/null; do i=$((i+1)); \
+             [ $i -gt 200 ] && exit 1; sleep 0.05; done"
+        ),
+        STEP_TIMEOUT,
+    )?;
     Ok(())
 }
 
