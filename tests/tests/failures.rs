@@ -40,7 +40,7 @@ fn strangers_are_refused_and_peer_death_is_reported_within_the_bound() {
 /// Steps 1 to 4.
 ///
 /// Ignored, not skipped: recovery without a quiesce is still intermittent on the test bed.
-/// On 2026-11-29 the unplug of step 2 (the active side's) hung in 2 of 3 runs and that of
+/// On 2026-11-29 the unplug of step 2 (the active side's) hung in 2 of 6 runs and that of
 /// step 4 (the passive side's) in 1 of 2, both in `rxe_destroy_qp` as below.
 /// Before the fixes in `verbs` (a context is released only when no PD of the process is left
 /// on it; a QP is moved to ERR before it is destroyed) 5 of 10 runs failed: a listener's
