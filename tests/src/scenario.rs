@@ -119,6 +119,9 @@ pub struct ScenarioOutcome {
     /// boot, to the second): subtract it from the peer's times to line them up with the
     /// host's timeline.
     pub peer_clock_offset_ms: i64,
+    /// What the kernels of the guests that ran the traffic to the end logged as a problem
+    /// (WARN, BUG, memory corruption, hung tasks; [`steps::kernel_problems`]).
+    pub kernel_problems: Vec<String>,
 }
 
 impl ScenarioOutcome {
@@ -420,6 +423,11 @@ pub fn run(
     }
     let mover = collect_reports(&dst, processes)?;
     let peer_report = collect_reports(peer, processes)?;
+    let mut kernel_problems = Vec::new();
+    for guest in [&dst, peer] {
+        let read = steps::kernel_problems(guest);
+        kernel_problems.extend(step(guest, "reading the kernel log", read)?);
+    }
     let move_report = std::fs::read(&report_path)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
@@ -433,6 +441,7 @@ pub fn run(
         peer: peer_report,
         mover,
         peer_clock_offset_ms,
+        kernel_problems,
     })
 }
 
@@ -602,6 +611,9 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
         &outcome.mover,
         &outcome.peer,
     );
+    for problem in &outcome.kernel_problems {
+        text.push_str(&format!("  guest kernel problem: {problem}\n"));
+    }
     text
 }
 

@@ -42,6 +42,11 @@ fn both_ends_move(name: &str, overlap: bool) {
         o.move_output
     );
     assert!(peer_moved, "the peer's move failed:\n{peer_output}");
+    assert!(
+        o.kernel_problems.is_empty(),
+        "guest kernel problems:\n{}",
+        o.kernel_problems.join("\n")
+    );
     for (receiver, sender, name) in [(&o.peer, &o.mover, "peer"), (&o.mover, &o.peer, "first VM")] {
         assert_eq!(receiver.lost, 0, "{name} lost messages");
         assert_eq!(receiver.duplicated, 0, "{name} got duplicates");

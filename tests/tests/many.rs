@@ -91,6 +91,11 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
         );
     }
     assert!(
+        o.kernel_problems.is_empty(),
+        "guest kernel problems:\n{}",
+        o.kernel_problems.join("\n")
+    );
+    assert!(
         o.mover.connections_established >= 2 * (PROCESSES * CONNECTIONS) as u64,
         "every connection should have reconnected: {:?}",
         o.mover

@@ -113,6 +113,11 @@ fn assert_coordinated(o: &ScenarioOutcome) {
             receiver.errors
         );
     }
+    assert!(
+        o.kernel_problems.is_empty(),
+        "guest kernel problems:\n{}",
+        o.kernel_problems.join("\n")
+    );
     // Traffic went on after the move: the peer's last delivery (on the host's clock) is
     // well after the move ended.
     let last_delivery = o.peer.last_delivery_unix_ms as i64 - o.peer_clock_offset_ms;
