@@ -75,6 +75,7 @@ mod failure;
 mod listener;
 mod onesided;
 mod probe;
+mod sendq;
 pub mod wire;
 pub(crate) mod worker;
 

@@ -15,6 +15,7 @@ use rdmamig_proto::agent::{ConnectionState, Role};
 use super::bridge::Bridge;
 use super::credits::{classify, Arrival, Credits};
 use super::onesided::{remote_access, OpKind};
+use super::sendq::SendSlots;
 use super::wire::{
     Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_BRIDGE,
     FLAG_MOVING, HEADER_LEN, REGION_ENTRY_LEN,
@@ -22,8 +23,8 @@ use super::wire::{
 use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
 use crate::verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
-    EventChannel, ExposedRegion, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, VerbsError,
-    WorkCompletion,
+    EventChannel, ExposedRegion, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, SendWr,
+    VerbsError, WorkCompletion,
 };
 
 /// wr_id of receives: RECV_BASE + slot; sends use the slot number.
@@ -34,6 +35,8 @@ const ONESIDED_BASE: u64 = 1 << 40;
 const RESERVE: u64 = 4;
 /// Extra send slots beyond the receive depth (room for control messages).
 pub(crate) const EXTRA_SEND_SLOTS: u32 = 8;
+/// A SEND is signaled at least this often within a chain (see [`SendSlots`]).
+const SIGNAL_EVERY: u32 = 16;
 /// Bounds of the set-up steps of one connect attempt.
 const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
 const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
@@ -183,8 +186,9 @@ struct Link {
     /// One-sided operations on this QP awaiting completion, in posting order: (slot, id).
     inflight: VecDeque<(u32, u64)>,
     credits: Credits,
-    free_slots: Vec<u32>,
-    posted_sends: u32,
+    slots: SendSlots,
+    /// SENDs written into their slots, to be posted as one chain by [`Link::flush`].
+    staged: Vec<SendWr>,
     /// Highest DATA sequence number posted on this QP.
     posted_upto: u64,
     last_ack_sent: u64,
@@ -202,14 +206,12 @@ struct Link {
 
 impl Link {
     fn can_post_control(&self) -> bool {
-        !self.free_slots.is_empty()
-            && self.credits.can_send_control()
-            && self.disconnecting.is_none()
+        self.free_slots() > 0 && self.credits.can_send_control() && self.disconnecting.is_none()
     }
 
     /// WRITE and READ leave [`RESERVE`] send slots for control messages.
     fn can_post_onesided(&self) -> bool {
-        self.free_slots.len() > RESERVE as usize
+        self.free_slots() > RESERVE as usize
             && self.pause.is_none()
             && self.peer_paused.is_none()
             && !self.close_sent
@@ -218,7 +220,7 @@ impl Link {
 
     /// Posts one WRITE or READ of `op` through a send slot.
     fn post_onesided(&mut self, op: &super::onesided::Op, key: &RegionEntry) -> Result<(), String> {
-        let slot = self.free_slots.pop().ok_or("no free send slot")?;
+        let slot = self.slots.take().ok_or("no free send slot")?;
         let off = slot as usize * self.slot;
         let rdma = match &op.kind {
             OpKind::Write(data) => {
@@ -241,10 +243,10 @@ impl Link {
             key.rkey,
             ONESIDED_BASE + slot as u64,
         ) {
-            self.free_slots.push(slot);
             return Err(format!("posting an RDMA {rdma:?}: {}", error_chain(&e)));
         }
-        self.posted_sends += 1;
+        // Posted alone and signaled: its completion tells which operation is done.
+        self.slots.posted(slot, true);
         self.inflight.push_back((slot, op.id));
         Ok(())
     }
@@ -276,8 +278,13 @@ impl Link {
         Ok(())
     }
 
+    /// Send slots neither in flight nor staged.
+    fn free_slots(&self) -> usize {
+        self.slots.free()
+    }
+
     fn can_post_data(&self) -> bool {
-        !self.free_slots.is_empty()
+        self.free_slots() > 0
             && self.credits.can_send_data()
             && self.pause.is_none()
             && self.peer_paused.is_none()
@@ -285,6 +292,8 @@ impl Link {
             && self.disconnecting.is_none()
     }
 
+    /// Posts one message at once (control messages: each ends its own chain, so it is
+    /// signaled). A failed post leaves the link unusable: the caller gives it up.
     fn post(
         &mut self,
         kind: Kind,
@@ -293,7 +302,20 @@ impl Link {
         payload: &[u8],
         last_received: u64,
     ) -> Result<(), String> {
-        let slot = self.free_slots.pop().ok_or("no free send slot")?;
+        self.stage(kind, flags, seq, payload, last_received)?;
+        self.flush()
+    }
+
+    /// Writes a message into a free send slot and stages its SEND for [`Link::flush`].
+    fn stage(
+        &mut self,
+        kind: Kind,
+        flags: u8,
+        seq: u64,
+        payload: &[u8],
+        last_received: u64,
+    ) -> Result<(), String> {
+        let slot = self.slots.take().ok_or("no free send slot")?;
         let off = slot as usize * self.slot;
         let len = HEADER_LEN + payload.len();
         let header = Header {
@@ -311,17 +333,31 @@ impl Link {
             .ok_or("message larger than a send slot")?;
         header.encode(buf);
         buf[HEADER_LEN..].copy_from_slice(payload);
-        if let Err(e) = self
-            .ep
-            .id
-            .post_send(&self.ep.send_mr, off, len, slot as u64)
-        {
-            self.free_slots.push(slot);
-            return Err(format!("posting a {kind:?} send: {e}"));
-        }
-        self.posted_sends += 1;
+        self.staged.push(SendWr {
+            offset: off,
+            len,
+            wr_id: slot as u64,
+            signaled: false,
+        });
         self.last_ack_sent = last_received;
         Ok(())
+    }
+
+    /// Posts the staged SENDs as one chain (one doorbell), signaled as [`SendSlots`]
+    /// decides. A failed post leaves the link unusable: the caller gives it up.
+    fn flush(&mut self) -> Result<(), String> {
+        let n = self.staged.len();
+        for (i, wr) in self.staged.iter_mut().enumerate() {
+            wr.signaled = self.slots.posted(wr.wr_id as u32, i + 1 == n);
+        }
+        let result = self.ep.id.post_sends(&self.ep.send_mr, &self.staged);
+        self.staged.clear();
+        result.map_err(|(posted, e)| {
+            format!(
+                "posting {n} sends failed after {posted}: {}",
+                error_chain(&e)
+            )
+        })
     }
 }
 
@@ -360,6 +396,16 @@ struct Worker {
     slot: usize,
     wcs: Vec<WorkCompletion>,
     done: bool,
+}
+
+/// Which of the worker's descriptors poll found readable.
+struct Ready {
+    /// The application's eventfd.
+    wake: bool,
+    /// The rdma_cm event channel.
+    cm: bool,
+    /// The link's completion channel.
+    completions: bool,
 }
 
 /// Why a connect attempt failed.
@@ -460,8 +506,12 @@ impl Worker {
             // Everything that needs prompt action wakes the poll (the application's eventfd,
             // the CM channel, the completion channel); the timeout only drives the coarse
             // deadlines (100 ms granularity, all of them at least 500 ms long).
-            self.wait(TICK_MS);
-            self.sh.take_wake();
+            // Only descriptors poll found readable are read: on a TCG guest each read that
+            // would find nothing (EAGAIN) is a system call the round does not need.
+            let ready = self.wait(TICK_MS);
+            if ready.wake {
+                self.sh.take_wake();
+            }
             self.handle_commands();
             if self.done {
                 break;
@@ -469,11 +519,13 @@ impl Worker {
             // Completions first: a CLOSE (or PAUSE) the peer sent just before it disconnected
             // must be seen before its DISCONNECTED event, or a clean close would look like a
             // broken link (and the resume that follows would be refused).
-            self.handle_completions();
+            self.handle_completions(ready.completions);
             if self.link.as_ref().is_some_and(|l| l.peer_bridging) {
                 self.start_bridging();
             }
-            self.handle_cm_events();
+            if ready.cm {
+                self.handle_cm_events();
+            }
             self.serve_bridge();
             if self.link.is_some() {
                 self.progress();
@@ -490,7 +542,9 @@ impl Worker {
         self.link = None;
     }
 
-    fn wait(&self, timeout_ms: u16) {
+    /// Sleeps until a descriptor is readable (or writable: the bridge with data queued) or
+    /// `timeout_ms` passed; says which have something to read.
+    fn wait(&self, timeout_ms: u16) -> Ready {
         let wake = self.sh.wake.as_fd();
         let chan = self.chan.fd();
         let mut fds = vec![
@@ -507,7 +561,24 @@ impl Worker {
             }
             fds.push(PollFd::new(bridge.fd(), events));
         }
-        let _ = poll(&mut fds, PollTimeout::from(timeout_ms));
+        if poll(&mut fds, PollTimeout::from(timeout_ms)).is_err() {
+            // EINTR: look at everything.
+            return Ready {
+                wake: true,
+                cm: true,
+                completions: true,
+            };
+        }
+        let readable = |fd: &PollFd| {
+            fd.revents().is_some_and(|r| {
+                r.intersects(PollFlags::POLLIN | PollFlags::POLLERR | PollFlags::POLLHUP)
+            })
+        };
+        Ready {
+            wake: readable(&fds[0]),
+            cm: readable(&fds[1]),
+            completions: self.link.is_some() && readable(&fds[2]),
+        }
     }
 
     // ---- commands ----
@@ -754,8 +825,8 @@ impl Worker {
             ops_posted_upto: st.onesided.ops.restart_point(),
             inflight: VecDeque::new(),
             credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
-            free_slots: (0..send_slots).rev().collect(),
-            posted_sends: 0,
+            slots: SendSlots::new(send_slots, SIGNAL_EVERY),
+            staged: Vec::with_capacity(send_slots as usize),
             posted_upto: peer_last,
             last_ack_sent: st.last_received,
             pause: None,
@@ -822,10 +893,14 @@ impl Worker {
         }
     }
 
-    fn handle_completions(&mut self) {
+    /// Polls the CQ dry and arms it again; reads its channel's events first if `events` (poll
+    /// found the channel readable).
+    fn handle_completions(&mut self, events: bool) {
         let Some(link) = &mut self.link else { return };
-        if let Err(e) = link.ep.cq.ack_events() {
-            tracing::warn!(error = %e, "reading CQ events failed");
+        if events {
+            if let Err(e) = link.ep.cq.ack_events() {
+                tracing::warn!(error = %e, "reading CQ events failed");
+            }
         }
         let mut failure: Option<LinkEvent> = None;
         let mut armed = false;
@@ -892,9 +967,9 @@ impl Worker {
         }
         if let Some(p) = &mut link.pause {
             if !p.sent
-                && link.posted_sends == 0
+                && link.slots.in_flight() == 0
                 && link.credits.can_send_control()
-                && !link.free_slots.is_empty()
+                && link.slots.free() > 0
             {
                 p.sent = true;
                 let flags = if p.bridge {
@@ -921,7 +996,7 @@ impl Worker {
             }
         }
         let want_disconnect = link.pause.as_ref().is_some_and(|p| p.got_ack)
-            || (link.close_sent && link.posted_sends == 0);
+            || (link.close_sent && link.slots.in_flight() == 0);
         if want_disconnect && link.disconnecting.is_none() {
             link.disconnecting = Some(now);
             if let Err(e) = link.ep.id.disconnect() {
@@ -1007,20 +1082,29 @@ impl Worker {
                 st.stats.onesided_replayed += 1;
             }
         }
+        // DATA goes out as one chain: one doorbell for every message this round.
+        let mut staged_upto = link.posted_upto;
         while failure.is_none() && link.can_post_data() {
-            let Some((seq, data)) = next_unsent(&st.outbox, link.posted_upto) else {
+            let Some((seq, data)) = next_unsent(&st.outbox, staged_upto) else {
                 break;
             };
             let (seq, last_received) = (*seq, st.last_received);
-            if let Err(e) = link.post(Kind::Data, 0, seq, data, last_received) {
+            if let Err(e) = link.stage(Kind::Data, 0, seq, data, last_received) {
                 failure = Some(LinkEvent::Local(e));
                 break;
             }
-            link.posted_upto = seq;
-            if seq <= st.max_posted {
-                st.stats.replayed += 1;
+            staged_upto = seq;
+        }
+        if failure.is_none() && staged_upto > link.posted_upto {
+            match link.flush() {
+                Ok(()) => {
+                    let first = (link.posted_upto + 1).max(st.outbox.front().map_or(0, |m| m.0));
+                    st.stats.replayed += replays(first, staged_upto, st.max_posted);
+                    st.max_posted = st.max_posted.max(staged_upto);
+                    link.posted_upto = staged_upto;
+                }
+                Err(e) => failure = Some(LinkEvent::Local(e)),
             }
-            st.max_posted = st.max_posted.max(seq);
         }
         let last_received = st.last_received;
         drop(st);
@@ -1400,6 +1484,12 @@ fn next_unsent(outbox: &VecDeque<(u64, Vec<u8>)>, sent_upto: u64) -> Option<&(u6
     outbox.get((next - front) as usize)
 }
 
+/// How many of the messages `first..=last` just posted were posted before on some QP (up to
+/// `max_posted`): replays.
+fn replays(first: u64, last: u64, max_posted: u64) -> u64 {
+    (last.min(max_posted) + 1).saturating_sub(first)
+}
+
 /// Where a path starts carrying this side's messages: just below the oldest unacknowledged
 /// one (the receiver has everything before it).
 fn resend_point(st: &super::State) -> u64 {
@@ -1419,14 +1509,15 @@ fn process(
         return onesided_done(link, st, wc, delivered);
     }
     if wc.wr_id < RECV_BASE {
-        link.free_slots.push(wc.wr_id as u32);
-        link.posted_sends = link.posted_sends.saturating_sub(1);
         if !wc.ok() {
             return Err(LinkEvent::QpError {
                 status: wc.status_str(),
                 which: "send",
             });
         }
+        link.slots
+            .completed(wc.wr_id as u32)
+            .map_err(LinkEvent::Local)?;
         return Ok(());
     }
     if !wc.ok() {
@@ -1507,9 +1598,7 @@ fn onesided_done(
     delivered: &mut bool,
 ) -> Result<(), LinkEvent> {
     let slot = (wc.wr_id - ONESIDED_BASE) as u32;
-    link.posted_sends = link.posted_sends.saturating_sub(1);
     let front = link.inflight.pop_front();
-    link.free_slots.push(slot);
     if !wc.ok() {
         // The operation stays queued: the next QP posts it again.
         return Err(LinkEvent::QpError {
@@ -1522,6 +1611,9 @@ fn onesided_done(
             "one-sided completion for slot {slot} out of posting order"
         )));
     };
+    // Frees its slot and those of the unsignaled SENDs posted before it. A READ's data is
+    // taken from the slot below, before anything is posted into it again.
+    link.slots.completed(slot).map_err(LinkEvent::Local)?;
     let op = st.onesided.ops.complete(id).map_err(LinkEvent::Local)?;
     if let OpKind::Read(len, reply) = op.kind {
         let data = link
@@ -1548,6 +1640,15 @@ mod tests {
         assert_eq!(next_unsent(&outbox, 6).map(|m| m.0), Some(7));
         assert_eq!(next_unsent(&outbox, 8), None);
         assert_eq!(next_unsent(&VecDeque::new(), 0), None);
+    }
+
+    #[test]
+    fn replays_count_the_messages_posted_before() {
+        // 5..=9 posted, of which 5..=7 had been posted on an earlier QP.
+        assert_eq!(replays(5, 9, 7), 3);
+        assert_eq!(replays(5, 9, 4), 0);
+        assert_eq!(replays(5, 9, 12), 5);
+        assert_eq!(replays(1, 1, 0), 0);
     }
 
     #[test]

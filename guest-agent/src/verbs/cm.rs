@@ -29,6 +29,19 @@ pub enum RdmaOp {
     Read,
 }
 
+/// One SEND of a chain posted by [`CmId::post_sends`]: `len` bytes at `offset` of the MR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendWr {
+    /// Start of the message in the MR.
+    pub offset: usize,
+    /// Its length.
+    pub len: usize,
+    /// The work request's id (reported by its completion, if signaled).
+    pub wr_id: u64,
+    /// Whether it produces a completion.
+    pub signaled: bool,
+}
+
 pub(crate) struct ChannelInner {
     ptr: NonNull<rdma_event_channel>,
 }
@@ -640,21 +653,64 @@ impl CmId {
         len: usize,
         wr_id: u64,
     ) -> Result<(), VerbsError> {
-        let qp = self.qp_ptr(mr)?;
-        let mut sge = mr.sge(offset, len)?;
+        let wr = SendWr {
+            offset,
+            len,
+            wr_id,
+            signaled: true,
+        };
+        self.post_sends(mr, &[wr]).map_err(|(_, e)| e)
+    }
+
+    /// Posts `wrs` as SENDs of ranges of `mr`, in order, as one chain: one `ibv_post_send`,
+    /// so Soft-RoCE takes one doorbell (one system call) for all of them. On failure, returns
+    /// how many of them were posted (the first ones) with the error.
+    ///
+    /// The bytes must not be changed until a completion at or after each send is polled (an
+    /// unsignaled send is complete once a later signaled one on the same QP is).
+    pub fn post_sends(&self, mr: &MemoryRegion, wrs: &[SendWr]) -> Result<(), (usize, VerbsError)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let qp = self.qp_ptr(mr).map_err(|e| (0, e))?;
+        let mut sges = Vec::with_capacity(wrs.len());
+        for (i, w) in wrs.iter().enumerate() {
+            sges.push(mr.sge(w.offset, w.len).map_err(|e| (i, e))?);
+        }
         // SAFETY: all-zero is a valid ibv_send_wr (no next, no unions in use).
-        let mut wr: ibv_send_wr = unsafe { mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut chain: Vec<ibv_send_wr> = wrs.iter().map(|_| unsafe { mem::zeroed() }).collect();
+        let base = chain.as_mut_ptr();
+        for (i, (wr, w)) in chain.iter_mut().zip(wrs).enumerate() {
+            wr.wr_id = w.wr_id;
+            wr.sg_list = &mut sges[i];
+            wr.num_sge = 1;
+            wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+            if w.signaled {
+                wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            if i + 1 < wrs.len() {
+                // SAFETY: i + 1 is within `chain`, which is neither moved nor resized below.
+                wr.next = unsafe { base.add(i + 1) };
+            }
+        }
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
-        // SAFETY: valid QP; `wr` and `sge` live across the call; the SGE lies inside an MR of
-        // the QP's PD (checked), whose buffer the MR owns.
-        let rc = unsafe { ibv_post_send(qp, &mut wr, &mut bad) };
+        // SAFETY: valid QP; the chain and its SGEs live across the call and each WR's `next`
+        // points into the same vector; every SGE lies inside an MR of the QP's PD (checked),
+        // whose buffer the MR owns.
+        let rc = unsafe { ibv_post_send(qp, base, &mut bad) };
         if rc != 0 {
-            return Err(VerbsError::PostSend(io::Error::from_raw_os_error(rc)));
+            let posted = if bad.is_null() {
+                0
+            } else {
+                // SAFETY: on failure `bad` points at the first WR not posted, inside the chain
+                // that starts at `base`.
+                let index = unsafe { bad.offset_from(base) };
+                index.clamp(0, wrs.len() as isize) as usize
+            };
+            return Err((
+                posted,
+                VerbsError::PostSend(io::Error::from_raw_os_error(rc)),
+            ));
         }
         Ok(())
     }

@@ -17,8 +17,8 @@
 mod cm;
 mod ib;
 
-pub use cm::RdmaOp;
 pub use cm::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel, IdKey};
+pub use cm::{RdmaOp, SendWr};
 pub use ib::{
     CompletionChannel, CompletionQueue, ExposedMemory, ExposedRegion, MemoryRegion,
     ProtectionDomain, QpCaps, RemoteAccess, WcOpcode, WorkCompletion,
