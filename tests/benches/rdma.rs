@@ -11,7 +11,8 @@
 //!    downtime.
 //!
 //! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
-//! builds the guest binaries). docs/benchmarks.md records the results.
+//! builds the guest binaries); `-- overhead` or `-- switching` runs only that part.
+//! docs/benchmarks.md records the results.
 
 use std::time::Duration;
 
@@ -39,14 +40,40 @@ fn main() {
     }
 }
 
+/// The parts of the benchmark.
+const PARTS: [&str; 2] = ["overhead", "switching"];
+
+/// The parts named on the command line (cargo passes its own `--bench` too), all by default.
+fn parts() -> Result<Vec<String>, String> {
+    let named: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if let Some(bad) = named.iter().find(|a| !PARTS.contains(&a.as_str())) {
+        return Err(format!("unknown part {bad:?}: the parts are {PARTS:?}"));
+    }
+    Ok(if named.is_empty() {
+        PARTS.iter().map(|p| p.to_string()).collect()
+    } else {
+        named
+    })
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let parts = parts()?;
     let bed = Testbed::new("bench")?;
-    println!("== library overhead: {SIZE}-byte messages, {ROUNDS} interleaved rounds");
-    let overhead = {
-        let server = bed.start_guest(bed.guest_spec("srv")?)?;
-        let client = bed.start_guest(bed.guest_spec("cli")?)?;
-        measure_overhead(&server, &client)?
-    };
+    if parts.iter().any(|p| p == "overhead") {
+        println!("== library overhead: {SIZE}-byte messages, {ROUNDS} interleaved rounds");
+        let overhead = {
+            let server = bed.start_guest(bed.guest_spec("srv")?)?;
+            let client = bed.start_guest(bed.guest_spec("cli")?)?;
+            measure_overhead(&server, &client)?
+        };
+        println!("\n{}", overhead.render());
+    }
+    if !parts.iter().any(|p| p == "switching") {
+        return Ok(());
+    }
     println!("\n== switching time: one move with each strategy");
     let daemon = Daemon::start(bed.dir())?;
     let mut outcomes = Vec::new();
@@ -60,9 +87,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("{}", scenario::render(&outcome));
         outcomes.push(outcome);
     }
-    println!("\n{}", overhead.render());
     println!(
-        "{}",
+        "\n{}",
         render_switching(&outcomes[0], &outcomes[1], &outcomes[2])
     );
     Ok(())
