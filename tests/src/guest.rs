@@ -240,8 +240,13 @@ impl VmProcess {
     /// The VM's run state and the last lines of the console log and QEMU's own log, for
     /// failure reports.
     pub(crate) fn dump(&self) -> String {
+        let console = fs::read_to_string(self.dir.join("console.log")).unwrap_or_default();
+        let crashed: String = crate::kernel_log::problem_lines(&console)
+            .take(3)
+            .map(|line| format!("!!!!! guest {}: kernel problem: {line}\n", self.name))
+            .collect();
         format!(
-            "===== guest {} ({}) console ({}) =====\n{}\n===== guest {} qemu log =====\n{}",
+            "{crashed}===== guest {} ({}) console ({}) =====\n{}\n===== guest {} qemu log =====\n{}",
             self.name,
             self.run_state(),
             self.dir.join("console.log").display(),

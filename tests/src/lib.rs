@@ -29,6 +29,7 @@
 pub mod ch_spec;
 pub mod console;
 pub mod guest;
+pub mod kernel_log;
 pub mod netns;
 pub mod qmp;
 pub mod scenario;

@@ -88,31 +88,13 @@ pub fn dump_logs(guest: &Guest) {
     }
 }
 
-/// What a guest kernel prints when something is wrong inside it: a WARN or BUG, memory
-/// corruption caught by the list checks, an oops, a task hung in the kernel. A move must
-/// leave none of them in either guest's log.
-const KERNEL_PROBLEM_MARKERS: &[&str] = &[
-    "WARNING:",
-    "BUG:",
-    "corruption",
-    "Oops",
-    "general protection fault",
-    "INFO: task",
-    "Kernel panic",
-];
-
 /// The lines of `guest`'s kernel log (`dmesg`) that report a kernel problem, each headed by
 /// the guest's name. The log of a moved guest holds its source's too: it moved with the VM.
 pub fn kernel_problems(guest: &Guest) -> StepResult<Vec<String>> {
     let log = guest.run_ok("dmesg", STEP_TIMEOUT)?;
-    Ok(kernel_problem_lines(&log)
+    Ok(crate::kernel_log::problem_lines(&log)
         .map(|line| format!("{}: {line}", guest.name()))
         .collect())
-}
-
-fn kernel_problem_lines(log: &str) -> impl Iterator<Item = &str> {
-    log.lines()
-        .filter(|line| KERNEL_PROBLEM_MARKERS.iter().any(|m| line.contains(m)))
 }
 
 /// Starts a raw verbs user the agent does not know, which holds the RDMA device of `guest`:
@@ -321,29 +303,5 @@ impl MoveGuests {
         )?;
         wait_ready(&self.peer, tag)?;
         wait_ready(&self.src, tag)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::kernel_problem_lines;
-
-    #[test]
-    fn kernel_problems_are_picked_out_and_harmless_lines_are_not() {
-        let log = "\
-[    0.946124] PCI: Using host bridge windows from ACPI; if necessary, use \"pci=nocrs\" and report a bug
-[    2.514322] AMD-Vi: AMD IOMMUv2 functionality not available on this system - This is not a bug.
-[    9.178819] infiniband rxe_eth0: set down
-[   12.000001] WARNING: CPU: 0 PID: 97 at drivers/infiniband/sw/rxe/rxe_pool.c:220 __rxe_cleanup+0x1/0x2
-[   13.000002] list_del corruption. prev->next should be ffff8880, but was ffff8881
-[   14.000003] BUG: kernel NULL pointer dereference, address: 0000000000000008
-[   15.000004] INFO: task rdmamig-traffic:120 blocked for more than 120 seconds.
-";
-        let found: Vec<&str> = kernel_problem_lines(log).collect();
-        assert_eq!(found.len(), 4, "{found:?}");
-        assert!(found[0].contains("rxe_pool.c"));
-        assert!(found[1].contains("list_del corruption"));
-        assert!(found[2].contains("NULL pointer"));
-        assert!(found[3].contains("blocked for more than"));
     }
 }
