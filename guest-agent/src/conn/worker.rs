@@ -186,6 +186,10 @@ struct Link {
     /// One-sided operations on this QP awaiting completion, in posting order: (slot, id).
     inflight: VecDeque<(u32, u64)>,
     credits: Credits,
+    /// The CQ is armed: its next completion raises an event on the channel. An event
+    /// disarms it; it is armed again only after one was read (an event not yet read wakes
+    /// the worker's poll either way).
+    cq_armed: bool,
     slots: SendSlots,
     /// SENDs written into their slots, to be posted as one chain by [`Link::flush`].
     staged: Vec<SendWr>,
@@ -825,6 +829,8 @@ impl Worker {
             ops_posted_upto: st.onesided.ops.restart_point(),
             inflight: VecDeque::new(),
             credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
+            // build_endpoint armed it.
+            cq_armed: true,
             slots: SendSlots::new(send_slots, SIGNAL_EVERY),
             staged: Vec::with_capacity(send_slots as usize),
             posted_upto: peer_last,
@@ -898,23 +904,31 @@ impl Worker {
     fn handle_completions(&mut self, events: bool) {
         let Some(link) = &mut self.link else { return };
         if events {
-            if let Err(e) = link.ep.cq.ack_events() {
-                tracing::warn!(error = %e, "reading CQ events failed");
+            match link.ep.cq.ack_events() {
+                // The event disarmed the CQ.
+                Ok(n) if n > 0 => link.cq_armed = false,
+                Ok(_) => {}
+                Err(e) => {
+                    // Arming again is harmless; missing a disarm would not be.
+                    link.cq_armed = false;
+                    tracing::warn!(error = %e, "reading CQ events failed");
+                }
             }
         }
         let mut failure: Option<LinkEvent> = None;
-        let mut armed = false;
         loop {
             self.wcs.clear();
             let Some(link) = &mut self.link else { return };
             match link.ep.cq.poll(&mut self.wcs, 64) {
-                Ok(0) if armed => break,
+                // Still armed from an earlier round (no event read since): the next
+                // completion wakes the poll, no need to arm it again.
+                Ok(0) if link.cq_armed => break,
                 Ok(0) => {
                     if let Err(e) = link.ep.cq.req_notify() {
                         failure = Some(LinkEvent::Local(error_chain(&e)));
                         break;
                     }
-                    armed = true;
+                    link.cq_armed = true;
                     continue;
                 }
                 Ok(_) => {}
