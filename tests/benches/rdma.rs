@@ -122,6 +122,10 @@ impl Series {
 struct Overhead {
     rate: Series,
     latency_us: Series,
+    /// Host CPU time both guests' QEMU processes took per message of a rate run, us.
+    rate_cpu_us: Series,
+    /// The same per round trip of a latency run.
+    latency_cpu_us: Series,
 }
 
 impl Overhead {
@@ -131,10 +135,15 @@ impl Overhead {
         format!(
             "| {SIZE} B, median (range)      | raw verbs            | library, blocking    | library, async       | blk/raw  | async/raw |\n\
              |-----------------------------|---------------------:|---------------------:|---------------------:|---------:|---------:|\n\
-             {}{}\
+             {}{}{}{}\
+             host CPU: both guests' QEMU processes (user + system) over the whole run, set-up \
+             included, divided by its messages (round trips); the rate depends on what else \
+             the host runs, the CPU a message takes much less\n\
              target: message rate overhead under 10% (library / raw >= 0.900, worse API): {} ({:.1}% overhead)\n",
             self.rate.row("message rate (msg/s)"),
             self.latency_us.row("latency (us, one way, mean)"),
+            self.rate_cpu_us.row("host CPU per message (us)"),
+            self.latency_cpu_us.row("host CPU per round trip (us)"),
             verdict(worst >= 0.9),
             (1.0 - worst) * 100.0,
         )
@@ -163,23 +172,45 @@ fn measure_overhead(
 ) -> Result<Overhead, Box<dyn std::error::Error>> {
     let at = server.spec().address().to_owned();
     let mut o = Overhead::default();
+    let guests = [server, client];
+    let per = |cpu: f64, n: u32| cpu * 1e6 / f64::from(n);
     for round in 1..=ROUNDS {
-        let raw = raw_verbs(server, client, &at, &SEND_BW, &format!("-n {COUNT}"))?;
+        let (raw, cpu) = host_cpu(guests, || {
+            raw_verbs(server, client, &at, &SEND_BW, &format!("-n {COUNT}"))
+        })?;
         o.rate.raw.push(column(&raw, "MsgRate[Mpps]")? * 1e6);
-        let raw = raw_verbs(server, client, &at, &RC_PINGPONG, &format!("-n {ITERS}"))?;
+        o.rate_cpu_us.raw.push(per(cpu, COUNT));
+        let (raw, cpu) = host_cpu(guests, || {
+            raw_verbs(server, client, &at, &RC_PINGPONG, &format!("-n {ITERS}"))
+        })?;
         o.latency_us.raw.push(usec_per_iter(&raw)? / 2.0);
-        for (api, rate, latency) in [
-            ("blocking", &mut o.rate.blocking, &mut o.latency_us.blocking),
+        o.latency_cpu_us.raw.push(per(cpu, ITERS));
+        for (api, rate, latency, rate_cpu, latency_cpu) in [
+            (
+                "blocking",
+                &mut o.rate.blocking,
+                &mut o.latency_us.blocking,
+                &mut o.rate_cpu_us.blocking,
+                &mut o.latency_cpu_us.blocking,
+            ),
             (
                 "async",
                 &mut o.rate.asynchronous,
                 &mut o.latency_us.asynchronous,
+                &mut o.rate_cpu_us.asynchronous,
+                &mut o.latency_cpu_us.asynchronous,
             ),
         ] {
-            let lib = library(server, client, &at, api, &format!("bw --count {COUNT}"))?;
+            let (lib, cpu) = host_cpu(guests, || {
+                library(server, client, &at, api, &format!("bw --count {COUNT}"))
+            })?;
             rate.push(number(&lib, "msg_rate")?);
-            let lib = library(server, client, &at, api, &format!("lat --iters {ITERS}"))?;
+            rate_cpu.push(per(cpu, COUNT));
+            let (lib, cpu) = host_cpu(guests, || {
+                library(server, client, &at, api, &format!("lat --iters {ITERS}"))
+            })?;
             latency.push(number(&lib, "mean_us")?);
+            latency_cpu.push(per(cpu, ITERS));
         }
         let last = |v: &Vec<f64>| v.last().copied().unwrap_or(f64::NAN);
         println!(
@@ -194,6 +225,42 @@ fn measure_overhead(
         );
     }
     Ok(o)
+}
+
+/// Runs `run` and returns its result with the host CPU time (seconds, user + system) the
+/// QEMU processes of `guests` took meanwhile.
+fn host_cpu<T>(
+    guests: [&Guest; 2],
+    run: impl FnOnce() -> Result<T, Box<dyn std::error::Error>>,
+) -> Result<(T, f64), Box<dyn std::error::Error>> {
+    let before = cpu_seconds(guests)?;
+    let value = run()?;
+    Ok((value, cpu_seconds(guests)? - before))
+}
+
+/// User + system CPU seconds the QEMU processes of `guests` have used so far.
+fn cpu_seconds(guests: [&Guest; 2]) -> Result<f64, Box<dyn std::error::Error>> {
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks_per_second <= 0 {
+        return Err("sysconf(_SC_CLK_TCK) failed".into());
+    }
+    let mut ticks = 0u64;
+    for guest in guests {
+        let path = format!("/proc/{}/stat", guest.pid());
+        let stat = std::fs::read_to_string(&path)?;
+        // utime and stime are fields 14 and 15; the name (field 2, in parentheses) may hold
+        // blanks, so count from its closing parenthesis: the 12th and 13th fields after it.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest.split_whitespace().collect())
+            .unwrap_or_default();
+        match (fields.get(11), fields.get(12)) {
+            (Some(user), Some(system)) => ticks += user.parse::<u64>()? + system.parse::<u64>()?,
+            _ => return Err(format!("no utime and stime in {path}: {stat}").into()),
+        }
+    }
+    Ok(ticks as f64 / ticks_per_second as f64)
 }
 
 /// A raw-verbs tool run as a pair: the same command on both sides, the client naming the
