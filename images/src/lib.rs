@@ -31,12 +31,14 @@ use crate::init::ScriptPaths;
 use crate::modules::{Kernel, ModuleDeps, ModulesError};
 use crate::tree::{Tree, TreeError};
 
-/// Kernel modules every test-bed image loads. crc32_generic is a soft dependency of rdma_rxe
-/// that modules.dep does not list (without it `rdma link add` fails).
+/// Kernel modules every test-bed image loads, in this order. crc32_generic is a soft
+/// dependency of rdma_rxe that modules.dep does not list (without it `rdma link add` fails).
+/// e1000e comes before virtio_net so that an RDMA NIC that is an e1000e is named before the
+/// permanent virtio-net NIC: `eth0`, as a virtio-net RDMA NIC is.
 pub const DEFAULT_MODULES: &[&str] = &[
+    "e1000e",
     "virtio_pci",
     "virtio_net",
-    "e1000e",
     "virtio_console",
     "ib_uverbs",
     "rdma_ucm",

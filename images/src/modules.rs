@@ -305,7 +305,8 @@ kernel/z.ko.xz:
     }
 
     /// Against the host's real module tree: the test-bed module set resolves, with the RDMA core
-    /// before rdma_rxe and virtio before virtio_net.
+    /// before rdma_rxe, virtio before virtio_net, and e1000e before virtio_net (an e1000e RDMA
+    /// NIC is then `eth0`).
     #[test]
     fn real_test_bed_modules_resolve_in_load_order() {
         let kernel = Kernel::find(Path::new("/boot"), Path::new("/lib/modules"), None)
@@ -321,6 +322,7 @@ kernel/z.ko.xz:
         assert!(pos("ib_core") < pos("rdma_rxe"));
         assert!(pos("ib_uverbs") < pos("rdma_ucm"));
         assert!(pos("virtio") < pos("virtio_net"));
+        assert!(pos("e1000e") < pos("virtio_net"));
         assert!(pos("crc32_generic") < order.len());
         let unique: HashSet<_> = order.iter().collect();
         assert_eq!(unique.len(), order.len());

@@ -3,12 +3,13 @@
 //! Each guest is one `qemu-system-x86_64` started with `ip netns exec` inside the test bed's
 //! namespace, in a process group of its own so that stopping it ends everything it started.
 //! The command line follows TESTBED.md: q35 with two PCIe root ports (rp1, rp2) for hot-plug,
-//! the RDMA NIC as a virtio-net-pci on rp1 backed by tap netdev `nd0`, a virtio-serial port for
-//! the agent, and the serial console and QMP on UNIX sockets in the guest's directory. Every
-//! guest also has a permanent NIC, `pnic0`: a virtio-net-pci behind its own root port `rp3`,
-//! backed by tap netdev `nd1`, which migrates with the VM and is never unplugged (the path the
-//! `bridge` strategy keeps while the RDMA NIC is away). Behind a root port after `rp1` it
-//! probes after the RDMA NIC, so the RDMA NIC stays `eth0` and the permanent one is `eth1`.
+//! the RDMA NIC (a virtio-net-pci, or an e1000e: [`NicModel`]) on rp1 backed by tap netdev
+//! `nd0`, a virtio-serial port for the agent, and the serial console and QMP on UNIX sockets
+//! in the guest's directory. Every guest also has a permanent NIC, `pnic0`: a virtio-net-pci
+//! behind its own root port `rp3`, backed by tap netdev `nd1`, which migrates with the VM and
+//! is never unplugged (the path the `bridge` strategy keeps while the RDMA NIC is away).
+//! Behind a root port after `rp1` it probes after a virtio-net RDMA NIC (and the image loads
+//! e1000e first), so the RDMA NIC stays `eth0` and the permanent one is `eth1`.
 //! A migration destination has the same devices except the RDMA NIC (it is plugged after the
 //! move) and waits with `-incoming defer` for the migrator's `migrate-incoming`.
 
@@ -156,6 +157,8 @@ pub struct GuestSpec {
     /// Whether the NIC device `nic0` (on `rp1`) is present at start. A migration destination
     /// has the netdev but no device.
     pub with_nic: bool,
+    /// The device model of the RDMA NIC, at boot and in every hot-plug.
+    pub rdma_nic: NicModel,
     /// Guest memory in MiB.
     pub memory_mib: u32,
     /// Gives the guest a vsock device with this CID, served by a vhost-device-vsock process
@@ -163,6 +166,28 @@ pub struct GuestSpec {
     /// [`Guest::vsock_socket`] (`CONNECT <port>`), as with Cloud Hypervisor's `--vsock`.
     /// Guest memory is then a shared memfd, which vhost-user needs.
     pub vsock_cid: Option<u32>,
+}
+
+/// The QEMU device model of a guest's RDMA NIC (Soft-RoCE runs on either).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NicModel {
+    /// `virtio-net-pci`, the test bed's NIC.
+    #[default]
+    VirtioNet,
+    /// `e1000e`. Closing it frees the skbs still in its transmit ring, and with them the
+    /// references Soft-RoCE holds on the QPs that sent them; virtio-net frees them only after
+    /// its netdev is unregistered, which waits for those QPs to go (docs/testbed.md).
+    E1000e,
+}
+
+impl NicModel {
+    /// QEMU's driver name for `-device` and `device_add`.
+    pub fn qemu_driver(self) -> &'static str {
+        match self {
+            NicModel::VirtioNet => "virtio-net-pci",
+            NicModel::E1000e => "e1000e",
+        }
+    }
 }
 
 impl GuestSpec {
@@ -583,7 +608,8 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         args.extend([
             "-device".into(),
             format!(
-                "virtio-net-pci,netdev=nd0,mac={},id=nic0,bus=rp1,romfile=",
+                "{},netdev=nd0,mac={},id=nic0,bus=rp1,romfile=",
+                spec.rdma_nic.qemu_driver(),
                 spec.mac
             ),
         ]);

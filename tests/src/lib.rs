@@ -48,7 +48,7 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
 }
 
 pub use console::{CommandOutput, ConsoleError};
-pub use guest::{Guest, GuestError, GuestSpec};
+pub use guest::{Guest, GuestError, GuestSpec, NicModel};
 pub use qmp::{Qmp, QmpError};
 pub use testbed::{bin_dir, GuestBinaries, Testbed, TestbedBuilder, TestbedError};
 

@@ -86,6 +86,12 @@ pub fn dump_logs(guest: &Guest) {
             out.output
         );
     }
+    // The kernel log's tail, after sysrq `w` added the stack of every blocked task: a hung
+    // unplug's worker and what it waits for.
+    let kernel = "echo w >/proc/sysrq-trigger; dmesg | tail -n 150";
+    if let Ok(out) = guest.run(kernel, STEP_TIMEOUT) {
+        eprintln!("---- guest {} kernel log:\n{}", guest.name(), out.output);
+    }
 }
 
 /// The lines of `guest`'s kernel log (`dmesg`) that report a kernel problem, each headed by
@@ -154,14 +160,15 @@ pub fn unplug(guest: &Guest, id: &str, timeout: Duration) -> StepResult<Duration
     Ok(started.elapsed())
 }
 
-/// Plugs a new virtio-net NIC `id` on the guest's netdev `nd0` with its own MAC and waits
-/// until its Soft-RoCE port is ACTIVE; returns how long it took.
+/// Plugs a new RDMA NIC `id` (the guest's [`crate::NicModel`]) on its netdev `nd0` with its
+/// own MAC and waits until its Soft-RoCE port is ACTIVE; returns how long it took.
 pub fn plug(guest: &Guest, id: &str) -> StepResult<Duration> {
     let started = Instant::now();
+    let spec = guest.spec();
     guest.qmp()?.execute(
         "device_add",
-        json!({ "driver": "virtio-net-pci", "netdev": "nd0", "id": id, "bus": "rp1",
-                "mac": guest.spec().mac }),
+        json!({ "driver": spec.rdma_nic.qemu_driver(), "netdev": "nd0", "id": id,
+                "bus": "rp1", "mac": spec.mac }),
     )?;
     guest.run_ok("rdmamig-netplug wait-active 10", STEP_TIMEOUT)?;
     Ok(started.elapsed())
@@ -243,7 +250,8 @@ pub fn migrate_command(socket: &Path, src: &Guest, dst: &Guest) -> Command {
         .arg(dst.agent_socket())
         .arg("--attach")
         .arg(format!(
-            "driver=virtio-net-pci,id=nic0,netdev=nd0,bus=rp1,mac={}",
+            "driver={},id=nic0,netdev=nd0,bus=rp1,mac={}",
+            src.spec().rdma_nic.qemu_driver(),
             src.spec().mac
         ))
         .arg("--via")

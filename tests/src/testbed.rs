@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use rdmamig_images::{Image, ImageError, ImageSpec};
 
-use crate::guest::{Guest, GuestError, GuestSpec, Launch, VmProcess};
+use crate::guest::{Guest, GuestError, GuestSpec, Launch, NicModel, VmProcess};
 use crate::netns::{self, NetNs, NetnsError};
 
 /// The guest programs the project builds, installed into the image.
@@ -250,6 +250,7 @@ impl Testbed {
             permanent_mac: format!("52:54:00:78:00:{host:02x}"),
             permanent_tap: self.add_tap()?,
             with_nic: true,
+            rdma_nic: NicModel::default(),
             memory_mib: GUEST_MEMORY_MIB,
             vsock_cid: None,
         })
