@@ -1,5 +1,7 @@
 //! Pure bookkeeping of one QP's credits and of in-order delivery (no verbs), unit tested.
 
+use std::time::{Duration, Instant};
+
 /// Credits on one QP: how many SENDs the peer has receives posted for, and what we owe it.
 ///
 /// All counters are cumulative since the QP was set up. The peer's header field `credits`
@@ -56,6 +58,39 @@ impl Credits {
     /// Receives posted since we last told the peer.
     pub(crate) fn lag(&self) -> u64 {
         self.my_posted - self.advertised
+    }
+}
+
+/// When a sender that waits for credits, with nothing in flight, probes its peer.
+///
+/// Such a sender would never learn that the peer's device vanished: nothing it has posted
+/// can time out, and no credits will come. A zero-length RDMA WRITE every `every` takes no
+/// receive (no credit) at the peer, completes if the peer is there and fails with retry
+/// exceeded if it is gone.
+#[derive(Debug, Clone)]
+pub(crate) struct StarvedProbe {
+    every: Duration,
+    since: Option<Instant>,
+}
+
+impl StarvedProbe {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self { every, since: None }
+    }
+
+    /// Called on every pass with whether the sender is starved (DATA waits for credits and
+    /// nothing is in flight); says whether to probe now.
+    pub(crate) fn due(&mut self, starved: bool, now: Instant) -> bool {
+        if !starved {
+            self.since = None;
+            return false;
+        }
+        let since = *self.since.get_or_insert(now);
+        if now.duration_since(since) < self.every {
+            return false;
+        }
+        self.since = Some(now);
+        true
     }
 }
 
@@ -118,6 +153,25 @@ mod tests {
         assert_eq!(c.lag(), 2);
         assert_eq!(c.on_sent(), 10);
         assert_eq!(c.lag(), 0);
+    }
+
+    #[test]
+    fn a_starved_sender_probes_once_per_interval() {
+        let every = Duration::from_secs(1);
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut p = StarvedProbe::new(every);
+        assert!(!p.due(true, at(0)));
+        assert!(!p.due(true, at(999)));
+        assert!(p.due(true, at(1000)));
+        assert!(!p.due(true, at(1500)));
+        assert!(p.due(true, at(2000)));
+        // Credits came (or something is in flight): the interval starts again.
+        assert!(!p.due(false, at(2100)));
+        assert!(!p.due(true, at(2200)));
+        assert!(!p.due(true, at(3100)));
+        assert!(p.due(true, at(3200)));
+        assert!(!p.due(false, at(9000)));
     }
 
     #[test]

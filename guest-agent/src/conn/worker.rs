@@ -13,7 +13,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rdmamig_proto::agent::{ConnectionState, Role};
 
 use super::bridge::Bridge;
-use super::credits::{classify, Arrival, Credits};
+use super::credits::{classify, Arrival, Credits, StarvedProbe};
 use super::onesided::{remote_access, OpKind};
 use super::sendq::SendSlots;
 use super::wire::{
@@ -48,6 +48,8 @@ const TICK_MS: u16 = 100;
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 /// Pause between attempts of the active side to open a lost bridge again.
 const BRIDGE_RETRY: Duration = Duration::from_secs(1);
+/// How often a sender that waits for credits with nothing in flight probes its peer.
+const STARVED_PROBE: Duration = Duration::from_secs(1);
 
 type Reply = mpsc::Sender<Result<(), String>>;
 
@@ -190,6 +192,7 @@ struct Link {
     /// disarms it; it is armed again only after one was read (an event not yet read wakes
     /// the worker's poll either way).
     cq_armed: bool,
+    starved: StarvedProbe,
     slots: SendSlots,
     /// SENDs written into their slots, to be posted as one chain by [`Link::flush`].
     staged: Vec<SendWr>,
@@ -252,6 +255,24 @@ impl Link {
         // Posted alone and signaled: its completion tells which operation is done.
         self.slots.posted(slot, true);
         self.inflight.push_back((slot, op.id));
+        Ok(())
+    }
+
+    /// Posts a zero-length RDMA WRITE through a send slot ([`StarvedProbe`]): it carries
+    /// nothing and takes no receive at the peer (C9-88: no address or rkey is checked), but
+    /// must be acknowledged by the peer's QP.
+    fn post_probe(&mut self) -> Result<(), String> {
+        let slot = self.slots.take().ok_or("no free send slot")?;
+        let off = slot as usize * self.slot;
+        if let Err(e) =
+            self.ep
+                .id
+                .post_rdma(RdmaOp::Write, &self.ep.send_mr, off, 0, 0, 0, slot as u64)
+        {
+            return Err(format!("posting a probe: {}", error_chain(&e)));
+        }
+        // Posted alone and signaled, like a control message.
+        self.slots.posted(slot, true);
         Ok(())
     }
 
@@ -831,6 +852,7 @@ impl Worker {
             credits: Credits::new(peer_credits, self.depth() as u64, RESERVE),
             // build_endpoint armed it.
             cq_armed: true,
+            starved: StarvedProbe::new(STARVED_PROBE),
             slots: SendSlots::new(send_slots, SIGNAL_EVERY),
             staged: Vec::with_capacity(send_slots as usize),
             posted_upto: peer_last,
@@ -1042,7 +1064,7 @@ impl Worker {
     }
 
     /// Announces exposed buffers, posts WRITEs and READs, then DATA while credits allow,
-    /// then a standalone ACK if one is owed.
+    /// then a standalone ACK if one is owed, then a probe if starved ([`StarvedProbe`]).
     ///
     /// One-sided operations go out before DATA queued with them, so a message sent after a
     /// write is never posted before it (and RC executes in posting order at the peer).
@@ -1120,6 +1142,7 @@ impl Worker {
                 Err(e) => failure = Some(LinkEvent::Local(e)),
             }
         }
+        let data_waits = next_unsent(&st.outbox, link.posted_upto).is_some();
         let last_received = st.last_received;
         drop(st);
         let quiet =
@@ -1128,6 +1151,19 @@ impl Worker {
             || link.credits.lag() >= (self.sh.opts.recv_depth as u64 / 4).max(1);
         if failure.is_none() && owed && !quiet && link.can_post_control() {
             if let Err(e) = link.post(Kind::Ack, 0, 0, &[], last_received) {
+                failure = Some(LinkEvent::Local(e));
+            }
+        }
+        // Out of credits with nothing in flight, a vanished peer would go unnoticed: probe.
+        let starved = data_waits
+            && !link.credits.can_send_data()
+            && link.slots.in_flight() == 0
+            && !quiet
+            && link.pause.is_none()
+            && link.peer_paused.is_none()
+            && link.disconnecting.is_none();
+        if failure.is_none() && link.starved.due(starved, Instant::now()) && link.free_slots() > 0 {
+            if let Err(e) = link.post_probe() {
                 failure = Some(LinkEvent::Local(e));
             }
         }
