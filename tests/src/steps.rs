@@ -103,6 +103,15 @@ pub fn kernel_problems(guest: &Guest) -> StepResult<Vec<String>> {
         .collect())
 }
 
+/// Fails the test on any guest kernel problem [`kernel_problems`] found.
+pub fn assert_no_kernel_problems(problems: &[String]) {
+    assert!(
+        problems.is_empty(),
+        "guest kernel problems:\n{}",
+        problems.join("\n")
+    );
+}
+
 /// Starts a raw verbs user the agent does not know, which holds the RDMA device of `guest`:
 /// `ibv_rc_pingpong` as a server keeps its device context while it waits for a client on TCP
 /// port 18515 (0x4853), which it opens only after its device set-up succeeded. A NIC hook
@@ -219,14 +228,11 @@ pub fn finish_clean_flow(vm: &Guest, vm_name: &str, peer: &Guest, tag: &str) -> 
     eprintln!("{tag}: {vm_name}: {vm_report:?}\n{tag}: peer: {peer_report:?}");
     assert_clean("peer", &peer_report, &vm_report);
     assert_clean(vm_name, &vm_report, &peer_report);
-    for guest in [vm, peer] {
-        let problems = kernel_problems(guest).unwrap_or_else(|e| panic!("{tag}: dmesg: {e}"));
-        assert!(
-            problems.is_empty(),
-            "kernel problems:\n{}",
-            problems.join("\n")
-        );
-    }
+    let problems: Vec<String> = [vm, peer]
+        .into_iter()
+        .flat_map(|guest| kernel_problems(guest).unwrap_or_else(|e| panic!("{tag}: dmesg: {e}")))
+        .collect();
+    assert_no_kernel_problems(&problems);
     (vm_report, peer_report)
 }
 

@@ -8,7 +8,7 @@
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, Strategy};
-use rdmamig_testbed::{error_chain, Testbed};
+use rdmamig_testbed::{error_chain, steps, Testbed};
 
 #[test]
 fn both_ends_move_one_after_the_other_with_nothing_lost() {
@@ -42,11 +42,7 @@ fn both_ends_move(name: &str, overlap: bool) {
         o.move_output
     );
     assert!(peer_moved, "the peer's move failed:\n{peer_output}");
-    assert!(
-        o.kernel_problems.is_empty(),
-        "guest kernel problems:\n{}",
-        o.kernel_problems.join("\n")
-    );
+    steps::assert_no_kernel_problems(&o.kernel_problems);
     for (receiver, sender, name) in [(&o.peer, &o.mover, "peer"), (&o.mover, &o.peer, "first VM")] {
         assert_eq!(receiver.lost, 0, "{name} lost messages");
         assert_eq!(receiver.duplicated, 0, "{name} got duplicates");

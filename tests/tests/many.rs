@@ -9,7 +9,7 @@
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
-use rdmamig_testbed::{error_chain, Testbed};
+use rdmamig_testbed::{error_chain, steps, Testbed};
 
 const PROCESSES: u32 = 4;
 const CONNECTIONS: u32 = 16;
@@ -90,11 +90,7 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
             receiver.errors
         );
     }
-    assert!(
-        o.kernel_problems.is_empty(),
-        "guest kernel problems:\n{}",
-        o.kernel_problems.join("\n")
-    );
+    steps::assert_no_kernel_problems(&o.kernel_problems);
     assert!(
         o.mover.connections_established >= 2 * (PROCESSES * CONNECTIONS) as u64,
         "every connection should have reconnected: {:?}",

@@ -13,7 +13,7 @@
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::timeline::PhaseOutcome;
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
-use rdmamig_testbed::{error_chain, Testbed};
+use rdmamig_testbed::{error_chain, steps, Testbed};
 
 fn run(strategy: Strategy) -> ScenarioOutcome {
     let bed =
@@ -113,11 +113,7 @@ fn assert_coordinated(o: &ScenarioOutcome) {
             receiver.errors
         );
     }
-    assert!(
-        o.kernel_problems.is_empty(),
-        "guest kernel problems:\n{}",
-        o.kernel_problems.join("\n")
-    );
+    steps::assert_no_kernel_problems(&o.kernel_problems);
     // Traffic went on after the move: the peer's last delivery (on the host's clock) is
     // well after the move ended.
     let last_delivery = o.peer.last_delivery_unix_ms as i64 - o.peer_clock_offset_ms;
