@@ -122,8 +122,8 @@ const ROUNDS: usize = 10;
 /// and one more run lost a guest's console at the same point. The same corruption (in the page
 /// allocator) hit a guest moved by rdmamig in a `both_ends` run. Guest kernel memory is
 /// occasionally corrupted by the test bed's migrations themselves, below rdmamig. A user-space
-/// checker sweeping 32 MiB (one word per page, each sweep checking the previous one) saw no
-/// lost store in 8 of these migrations. Run with `-- --ignored`.
+/// checker (one word per page, each sweep checking the previous one) saw no lost store in 24
+/// of these migrations (docs/testbed.md). Run with `-- --ignored`.
 #[test]
 #[ignore = "checks the test bed's QEMU; fails intermittently (see the doc comment)"]
 fn guest_memory_survives_concurrent_migrations() {
