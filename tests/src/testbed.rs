@@ -16,6 +16,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -369,7 +370,37 @@ fn check_prerequisites() -> Result<(), TestbedError> {
             return missing(program, &format!("apt-get install {package}"));
         }
     }
-    Ok(())
+    let version = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_default();
+    match qemu_major(&version) {
+        Some(major) if major >= QEMU_MIN_MAJOR => Ok(()),
+        _ => missing(
+            &format!(
+                "QEMU {QEMU_MIN_MAJOR} or newer (found: {})",
+                version.lines().next().unwrap_or("no version")
+            ),
+            "QEMU 7.2's TCG migration now and then damages a moved guest's kernel memory \
+             (docs/testbed.md); scripts/setup.sh installs QEMU 10 from bookworm-backports",
+        ),
+    }
+}
+
+/// The oldest QEMU whose migrations the test bed trusts (see [`check_prerequisites`]).
+const QEMU_MIN_MAJOR: u32 = 10;
+
+/// The major version in `qemu-system-x86_64 --version`'s first line.
+fn qemu_major(version: &str) -> Option<u32> {
+    version
+        .lines()
+        .next()?
+        .strip_prefix("QEMU emulator version ")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn in_path(program: &str) -> bool {
@@ -413,4 +444,22 @@ fn build_image(guest_binaries: GuestBinaries) -> Result<Image, TestbedError> {
         out_dir,
         source: Box::new(source),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qemu_major;
+
+    #[test]
+    fn the_qemu_major_version_is_read_from_the_first_line() {
+        let debian = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)\n\
+                      Copyright (c) 2003-2025 Fabrice Bellard and the QEMU Project developers\n";
+        assert_eq!(qemu_major(debian), Some(10));
+        assert_eq!(
+            qemu_major("QEMU emulator version 7.2.22 (Debian)\n"),
+            Some(7)
+        );
+        assert_eq!(qemu_major(""), None);
+        assert_eq!(qemu_major("qemu-system-x86_64: not found\n"), None);
+    }
 }
