@@ -172,8 +172,9 @@ enum Report {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The async API's connection workers run on this runtime too: IO and time enabled.
     let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+        .enable_all()
         .build()
     {
         Ok(runtime) => runtime,

@@ -1,14 +1,23 @@
 //! The async API on tokio: [`AsyncConnection`] and [`AsyncListener`].
 //!
-//! A connection's verbs objects belong to its worker thread, which must own them across a
-//! quiesce, a device swap and a resume; it sleeps in poll(2) on the completion channel, the
-//! CM event channel and an eventfd, so nothing busy-polls. What an application waits for (a
-//! message, room in the outbox, the peer's acknowledgement, a failure) is state the worker
-//! changes, and it wakes blocking callers through a condvar and async callers through a
-//! [`tokio::sync::Notify`]: an async `send` or `recv` never blocks a runtime thread. The
-//! operations that wait for the worker to carry out a command (connect, accept, close) run
-//! on tokio's blocking pool. The blocking [`Connection`] stays available
-//! ([`AsyncConnection::blocking`]).
+//! A connection's verbs objects belong to its worker, an async state machine that must own
+//! them across a quiesce, a device swap and a resume. An async connection's worker is a task
+//! on the caller's runtime (the one `connect` or `bind` ran on): it awaits the completion
+//! channel, the CM event channel and the TCP bridge through tokio's
+//! [`AsyncFd`](tokio::io::unix::AsyncFd), the application's wake-ups through a
+//! [`tokio::sync::Notify`] and its deadlines on tokio's timer, so nothing busy-polls and no
+//! runtime thread is ever blocked. (The blocking [`Connection`] runs the same worker on a
+//! small runtime of its own thread.) What an application waits for (a message, room in the
+//! outbox, the peer's acknowledgement, a failure) is state the worker changes, and it wakes
+//! async callers through another `Notify`: an async `send` or `recv` never blocks a runtime
+//! thread. Connect, accept and close await the worker's answer. The blocking handle of the
+//! same connection stays available ([`AsyncConnection::blocking`]); its waits block, so it
+//! is not for a runtime thread.
+//!
+//! The runtime needs IO and time enabled (`enable_all`), and must keep running for as long
+//! as the connection lives: a runtime that is blocked or shut down also stops its
+//! connections' workers (a quiesce from the agent then times out). Any flavour works,
+//! including a current-thread runtime.
 //!
 //! ```no_run
 //! use rdmamig_guest::conn::{AsyncConnection, AsyncListener, ConnectOptions};
@@ -77,9 +86,12 @@ use std::time::{Duration, Instant};
 use rdmamig_proto::agent::ConnectionInfo;
 use rdmamig_proto::ConnectionId;
 
+use tokio::runtime::Handle;
+
+use super::reply;
 use super::{
-    Access, ConnError, ConnStats, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer,
-    State,
+    Access, Command, ConnError, ConnStats, ConnectOptions, Connection, Exposed, Listener,
+    RemoteBuffer, State,
 };
 
 /// A migratable connection with an async API; see the module docs.
@@ -97,15 +109,16 @@ impl From<Connection> for AsyncConnection {
 }
 
 impl AsyncConnection {
-    /// Connects to a listener at `peer`, retrying until `opts.connect_timeout`.
+    /// Connects to a listener at `peer`, retrying until `opts.connect_timeout`. The
+    /// connection's worker becomes a task on the current runtime.
     pub async fn connect(
         peer: SocketAddr,
         opts: &ConnectOptions,
     ) -> Result<AsyncConnection, ConnError> {
-        let opts = opts.clone();
-        blocking("connect", move || Connection::connect(peer, &opts))
-            .await
-            .map(AsyncConnection::from)
+        let runtime = current("connect")?;
+        let (shared, ready) = Connection::start_connect(peer, opts, Some(runtime))?;
+        let answer = reply::wait_async(ready, Connection::connect_deadline(opts)).await;
+        Connection::connected(shared, peer, answer).map(AsyncConnection::from)
     }
 
     /// The blocking handle of the same connection.
@@ -273,8 +286,12 @@ impl AsyncConnection {
 
     /// Closes the connection; see [`Connection::close`].
     pub async fn close(&self) -> Result<(), ConnError> {
-        let conn = self.conn.clone();
-        blocking("close", move || conn.close()).await
+        let deadline = self.conn.begin_close()?;
+        self.conn
+            .shared
+            .request_async(|reply| Command::Close { deadline, reply }, deadline)
+            .await
+            .map_err(|reason| self.conn.close_failed(reason))
     }
 }
 
@@ -285,10 +302,12 @@ pub struct AsyncListener {
 }
 
 impl AsyncListener {
-    /// Listens on `addr` (an address of an RDMA device); see [`Listener::bind`].
+    /// Listens on `addr` (an address of an RDMA device); see [`Listener::bind`]. The
+    /// workers of the connections it accepts become tasks on the current runtime.
     pub fn bind(addr: SocketAddr, opts: &ConnectOptions) -> Result<AsyncListener, ConnError> {
+        let runtime = current("bind")?;
         Ok(AsyncListener {
-            listener: Arc::new(Listener::bind(addr, opts)?),
+            listener: Arc::new(Listener::bind_on(addr, opts, Some(runtime))?),
         })
     }
 
@@ -299,22 +318,25 @@ impl AsyncListener {
 
     /// Waits up to `timeout` for a new, established connection.
     pub async fn accept(&self, timeout: Duration) -> Result<AsyncConnection, ConnError> {
-        let listener = self.listener.clone();
-        blocking("accept", move || listener.accept(timeout))
-            .await
-            .map(AsyncConnection::from)
+        let deadline = Instant::now() + timeout;
+        let arrived = &self.listener.shared().arrived;
+        loop {
+            // Registered before the look, so an arrival in between is not missed.
+            let next = arrived.notified();
+            tokio::pin!(next);
+            next.as_mut().enable();
+            if let Some(answer) = self.listener.take_next() {
+                return answer.map(AsyncConnection::from);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, next).await.is_err() {
+                return Err(self.listener.accept_timed_out(timeout));
+            }
+        }
     }
 }
 
-/// Runs an operation that waits for the worker on tokio's blocking pool.
-async fn blocking<T: Send + 'static>(
-    op: &'static str,
-    f: impl FnOnce() -> Result<T, ConnError> + Send + 'static,
-) -> Result<T, ConnError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ConnError::BlockingTask {
-            op,
-            reason: e.to_string(),
-        })?
+/// The runtime the caller runs on, which the connection's worker joins.
+fn current(op: &'static str) -> Result<Handle, ConnError> {
+    Handle::try_current().map_err(|source| ConnError::NoRuntime { op, source })
 }

@@ -20,8 +20,11 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::timeout;
 
 use super::wire::{
     Accept, Header, Hello, Kind, PrivateData, Reject, HEADER_LEN, MAX_CONNECT_PRIVATE_DATA,
@@ -51,13 +54,14 @@ pub(crate) struct Bridge {
 
 impl Bridge {
     /// The active side: connects to `peer`, introduces the connection with `hello`, and
-    /// returns the bridge and the passive side's last received sequence number.
-    pub(crate) fn open(
+    /// returns the bridge and the passive side's last received sequence number. Awaited by
+    /// the connection's worker, so its runtime thread is never blocked meanwhile.
+    pub(crate) async fn open(
         peer: SocketAddr,
         hello: Hello,
         max_payload: usize,
     ) -> Result<(Bridge, u64), String> {
-        match introduce(peer, &padded(PrivateData::Bridge(hello)))? {
+        match introduce(peer, &padded(PrivateData::Bridge(hello))).await? {
             (stream, PrivateData::Accept(a)) if a.conn_id == hello.conn_id => {
                 Ok((Bridge::new(stream, peer, max_payload)?, a.last_received))
             }
@@ -121,11 +125,6 @@ impl Bridge {
     /// The peer's address (for logs).
     pub(crate) fn peer(&self) -> SocketAddr {
         self.peer
-    }
-
-    /// The socket, for the worker's poll.
-    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
-        self.stream.as_fd()
     }
 
     /// Whether queued bytes wait for the socket to take them.
@@ -198,6 +197,17 @@ impl Bridge {
     }
 }
 
+/// The socket, for the worker's reactor (tokio's `AsyncFd`).
+impl AsRawFd for Bridge {
+    fn as_raw_fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+}
+
+// SAFETY: the bridge owns its stream, which is never replaced, so the descriptor stays open
+// and the same for the bridge's lifetime.
+unsafe impl crate::verbs::OwnsFd for Bridge {}
+
 /// Hands every whole frame at the start of `buf` to `on_frame`, in order, and returns the
 /// bytes they took (a partial frame stays for the next read). A payload above
 /// `max_payload` is refused from its header, before it is buffered; a malformed header, or
@@ -230,27 +240,39 @@ fn take_frames(
     Ok(used)
 }
 
-/// Connects to a bridge listener at `peer`, sends `greeting` and returns the stream and
-/// the listener's answer record. Each step is bounded by [`SETUP_TIMEOUT`].
-pub(crate) fn introduce(
+/// Connects to a bridge listener at `peer`, sends `greeting` and returns the stream
+/// (non-blocking) and the listener's answer record. Each step is bounded by
+/// [`SETUP_TIMEOUT`].
+pub(crate) async fn introduce(
     peer: SocketAddr,
     greeting: &[u8; MAX_CONNECT_PRIVATE_DATA],
 ) -> Result<(TcpStream, PrivateData), String> {
-    let mut stream = TcpStream::connect_timeout(&peer, SETUP_TIMEOUT)
+    let step = |what: &'static str| {
+        move |_: tokio::time::error::Elapsed| format!("{what}: timed out after {SETUP_TIMEOUT:?}")
+    };
+    let mut stream = timeout(SETUP_TIMEOUT, tokio::net::TcpStream::connect(peer))
+        .await
+        .map_err(step("connecting"))?
         .map_err(|e| format!("connecting to {peer}: {e}"))?;
-    set_blocking_with_timeout(&stream).map_err(|e| format!("configuring the socket: {e}"))?;
-    stream
-        .write_all(greeting)
+    timeout(SETUP_TIMEOUT, stream.write_all(greeting))
+        .await
+        .map_err(step("sending the greeting"))?
         .map_err(|e| format!("sending the greeting: {e}"))?;
     let mut answer = [0u8; MAX_CONNECT_PRIVATE_DATA];
-    stream
-        .read_exact(&mut answer)
-        .map_err(|e| format!("waiting for the answer (within {SETUP_TIMEOUT:?}): {e}"))?;
+    timeout(SETUP_TIMEOUT, stream.read_exact(&mut answer))
+        .await
+        .map_err(step("waiting for the answer"))?
+        .map_err(|e| format!("waiting for the answer: {e}"))?;
     let answer = PrivateData::decode(&answer).map_err(|e| format!("the answer: {e}"))?;
+    // Out of tokio's reactor, still non-blocking: the worker watches it as a bridge.
+    let stream = stream
+        .into_std()
+        .map_err(|e| format!("configuring the socket: {e}"))?;
     Ok((stream, answer))
 }
 
-/// The set-up steps run blocking, each bounded by [`SETUP_TIMEOUT`].
+/// The listener's set-up steps run blocking (on its own thread), each bounded by
+/// [`SETUP_TIMEOUT`].
 fn set_blocking_with_timeout(stream: &TcpStream) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(SETUP_TIMEOUT))?;
@@ -281,6 +303,15 @@ mod tests {
         }
     }
 
+    /// Opens a bridge to `addr` as a worker would (on a runtime of its own here).
+    fn open(addr: std::net::SocketAddr) -> Result<(Bridge, u64), String> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(Bridge::open(addr, hello(), MAX))
+    }
+
     /// A bridge opened on loopback, and the listener's end of it.
     fn pair() -> (Bridge, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -298,7 +329,7 @@ mod tests {
                 .unwrap();
             stream
         });
-        let (bridge, peer_last) = Bridge::open(addr, hello(), MAX).unwrap();
+        let (bridge, peer_last) = open(addr).unwrap();
         assert_eq!(peer_last, 9);
         (bridge, server.join().unwrap())
     }
@@ -397,7 +428,7 @@ mod tests {
                 },
             );
         });
-        let err = Bridge::open(addr, hello(), MAX).err().unwrap();
+        let err = open(addr).err().unwrap();
         server.join().unwrap();
         assert!(err.contains("BadToken"), "{err}");
     }

@@ -14,6 +14,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+
 use rdmamig_proto::agent::{ConnectionInfo, Role};
 use rdmamig_proto::ConnectionId;
 
@@ -35,8 +38,14 @@ enum ListenerCommand {
 pub(crate) struct ListenerShared {
     addr: SocketAddr,
     opts: ConnectOptions,
+    /// Where the workers of accepted connections run: a task on this runtime (the async
+    /// API), or a thread each.
+    runtime: Option<Handle>,
     queue: Mutex<VecDeque<Connection>>,
+    /// Wakes blocking `accept` when a connection is queued.
     cond: Condvar,
+    /// Wakes async `accept`, as `cond` wakes blocking ones.
+    pub(crate) arrived: Notify,
     routes: Mutex<HashMap<ConnectionId, Weak<ConnShared>>>,
     failure: Mutex<Option<String>>,
     commands: Mutex<mpsc::Sender<ListenerCommand>>,
@@ -97,8 +106,19 @@ impl std::fmt::Debug for Listener {
 }
 
 impl Listener {
-    /// Binds and listens on `addr` (an address of an RDMA device).
+    /// Binds and listens on `addr` (an address of an RDMA device). The workers of the
+    /// connections it accepts run on threads of their own.
     pub fn bind(addr: SocketAddr, opts: &ConnectOptions) -> Result<Listener, ConnError> {
+        Self::bind_on(addr, opts, None)
+    }
+
+    /// [`Listener::bind`], with the accepted connections' workers as tasks on `runtime` if
+    /// given.
+    pub(crate) fn bind_on(
+        addr: SocketAddr,
+        opts: &ConnectOptions,
+        runtime: Option<Handle>,
+    ) -> Result<Listener, ConnError> {
         let chan = EventChannel::new().map_err(|source| ConnError::Verbs {
             op: "creating the listener's event channel",
             source,
@@ -122,8 +142,10 @@ impl Listener {
         let shared = Arc::new(ListenerShared {
             addr,
             opts: opts.clone(),
+            runtime,
             queue: Mutex::new(VecDeque::new()),
             cond: Condvar::new(),
+            arrived: Notify::new(),
             routes: Mutex::new(HashMap::new()),
             failure: Mutex::new(None),
             commands: Mutex::new(tx),
@@ -173,27 +195,12 @@ impl Listener {
         let deadline = Instant::now() + timeout;
         let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(c) = q.pop_front() {
-                return Ok(c);
-            }
-            if let Some(reason) = self
-                .shared
-                .failure
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-            {
-                return Err(ConnError::ListenerFailed {
-                    addr: self.shared.addr,
-                    reason,
-                });
+            if let Some(answer) = self.next(&mut q) {
+                return answer;
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(ConnError::AcceptTimedOut {
-                    addr: self.shared.addr,
-                    after: timeout,
-                });
+                return Err(self.accept_timed_out(timeout));
             }
             q = self
                 .shared
@@ -201,6 +208,43 @@ impl Listener {
                 .wait_timeout(q, (deadline - now).min(Duration::from_millis(200)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+        }
+    }
+
+    /// The state the listener thread shares with the handles.
+    pub(crate) fn shared(&self) -> &ListenerShared {
+        &self.shared
+    }
+
+    /// One look for an accepted connection (or the listener's failure), for the async
+    /// `accept`.
+    pub(crate) fn take_next(&self) -> Option<Result<Connection, ConnError>> {
+        self.next(&mut self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The next queued connection, or the listener's failure; `None` to wait on.
+    fn next(&self, q: &mut VecDeque<Connection>) -> Option<Result<Connection, ConnError>> {
+        if let Some(c) = q.pop_front() {
+            return Some(Ok(c));
+        }
+        let failure = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        failure.map(|reason| {
+            Err(ConnError::ListenerFailed {
+                addr: self.shared.addr,
+                reason,
+            })
+        })
+    }
+
+    pub(crate) fn accept_timed_out(&self, after: Duration) -> ConnError {
+        ConnError::AcceptTimedOut {
+            addr: self.shared.addr,
+            after,
         }
     }
 }
@@ -501,6 +545,7 @@ impl ListenerThread {
                     .unwrap_or_else(|p| p.into_inner())
                     .push_back(c);
                 l.cond.notify_all();
+                l.arrived.notify_waiters();
             }
             // Nobody will accept it: dropping the handle closes it.
             None => drop(Connection::from_shared(sh, None)),
@@ -513,6 +558,7 @@ impl ListenerThread {
                 hello,
                 on_ready,
             },
+            shared.runtime.clone(),
         ) {
             tracing::warn!(error = %e, "cannot start a connection worker");
         }

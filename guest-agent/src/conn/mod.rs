@@ -1,8 +1,10 @@
 //! The migratable connection: a reliable, ordered, exactly-once message stream over an RC
 //! QP set up with rdma_cm, that survives a quiesce, a device swap and a resume.
 //!
-//! One worker thread per connection owns every verbs object of it; the [`Connection`]
-//! handle (Send + Sync) talks to the worker through shared queues. The protocol (wire
+//! One worker per connection owns every verbs object of it: an async task that awaits its
+//! descriptors through tokio (conn/worker.rs), on a runtime of its own thread for a
+//! [`Connection`], on the application's runtime for an [`AsyncConnection`]. The
+//! [`Connection`] handle (Send + Sync) talks to the worker through shared queues. The protocol (wire
 //! header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is described in
 //! docs/architecture.md.
 //!
@@ -75,18 +77,17 @@ mod failure;
 mod listener;
 mod onesided;
 mod probe;
+mod reply;
 mod sendq;
 pub mod wire;
 pub(crate) mod worker;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
 use rdmamig_proto::ConnectionId;
 use thiserror::Error;
@@ -100,6 +101,9 @@ pub use wire::RejectReason;
 
 use crate::registry::{self, Migratable};
 use crate::verbs::{CmId, VerbsError};
+use reply::{NoAnswer, Reply};
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
 use wire::Hello;
 
 /// Settings of a connection (and of the connections a listener accepts).
@@ -257,16 +261,17 @@ pub enum ConnError {
         #[source]
         source: VerbsError,
     },
-    /// An async operation's task on tokio's blocking pool ended without an answer (it
-    /// panicked, or the runtime is shutting down).
-    #[error("the {op} task on tokio's blocking pool ended without an answer: {reason}")]
-    BlockingTask {
+    /// An async operation was called outside a tokio runtime: the connection's worker runs
+    /// as a task on the caller's runtime.
+    #[error("{op} needs a tokio runtime to run the connection on")]
+    NoRuntime {
         /// The operation.
         op: &'static str,
         /// What tokio said.
-        reason: String,
+        #[source]
+        source: tokio::runtime::TryCurrentError,
     },
-    /// A thread or descriptor could not be created.
+    /// A thread, a runtime or a descriptor watch could not be created.
     #[error("could not start the connection's {what}")]
     Spawn {
         /// What.
@@ -392,11 +397,11 @@ pub(crate) enum Command {
         deadline: Instant,
         /// Carry messages over the bridge until the RDMA path is back.
         bridge: bool,
-        reply: mpsc::Sender<Result<(), String>>,
+        reply: Reply,
     },
     Resume {
         deadline: Instant,
-        reply: mpsc::Sender<Result<(), String>>,
+        reply: Reply,
     },
     Incoming {
         id: CmId,
@@ -409,7 +414,7 @@ pub(crate) enum Command {
     },
     Close {
         deadline: Instant,
-        reply: mpsc::Sender<Result<(), String>>,
+        reply: Reply,
     },
 }
 
@@ -423,10 +428,10 @@ pub(crate) struct ConnShared {
     pub(crate) cond: Condvar,
     /// Wakes async callers, as `cond` wakes blocking ones.
     pub(crate) changed_async: tokio::sync::Notify,
-    pub(crate) wake: EventFd,
-    /// `wake` has been written and the worker has not taken it yet: a sender streaming
-    /// messages writes the eventfd once per worker round, not once per message.
-    wake_pending: AtomicBool,
+    /// Wakes the worker when the application queued something or sent a command. Its
+    /// permit (`notify_one`) is kept until the worker takes it, so a wake-up between two of
+    /// its looks is never lost, and a stream of them costs one wake of the worker per round.
+    pub(crate) wake: tokio::sync::Notify,
     commands: Mutex<mpsc::Sender<Command>>,
 }
 
@@ -437,11 +442,6 @@ impl ConnShared {
         role: Role,
         opts: ConnectOptions,
     ) -> Result<(Arc<Self>, mpsc::Receiver<Command>), ConnError> {
-        let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
-            .map_err(|e| ConnError::Spawn {
-                what: "wake-up eventfd",
-                source: std::io::Error::from_raw_os_error(e as i32),
-            })?;
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Self {
             id,
@@ -466,8 +466,7 @@ impl ConnShared {
             }),
             cond: Condvar::new(),
             changed_async: tokio::sync::Notify::new(),
-            wake,
-            wake_pending: AtomicBool::new(false),
+            wake: tokio::sync::Notify::new(),
             commands: Mutex::new(tx),
         });
         Ok((shared, rx))
@@ -484,20 +483,10 @@ impl ConnShared {
         self.changed_async.notify_waiters();
     }
 
+    /// The worker takes the wake-up before it looks at the shared state: whatever is queued
+    /// before it wakes is seen in that round, whatever comes after leaves a new permit.
     pub(crate) fn notify_worker(&self) {
-        if !self.wake_pending.swap(true, Ordering::SeqCst) {
-            let _ = self.wake.write(1);
-        }
-    }
-
-    /// The worker takes the wake-up before it looks at the shared state: it drains the
-    /// eventfd, then clears the flag. Whatever is queued before the flag is cleared is seen
-    /// in this round; whatever comes after writes the eventfd again. (Clearing first would
-    /// let a write land between the two and be drained with the flag left set: the next
-    /// wake-up would be lost until the poll's timeout.)
-    pub(crate) fn take_wake(&self) {
-        let _ = self.wake.read();
-        self.wake_pending.store(false, Ordering::SeqCst);
+        self.wake.notify_one();
     }
 
     pub(crate) fn command(&self, cmd: Command) -> Result<(), Command> {
@@ -508,25 +497,52 @@ impl ConnShared {
         Ok(())
     }
 
-    fn request(
+    /// Sends the command `make` builds; the receiver of its answer, or `None` if the worker
+    /// has ended.
+    fn ask(
         &self,
-        make: impl FnOnce(mpsc::Sender<Result<(), String>>) -> Command,
-        deadline: Instant,
-    ) -> Result<(), String> {
-        let (tx, rx) = mpsc::channel();
-        if self.command(make(tx)).is_err() {
-            return self.stopped();
-        }
-        // The worker answers by the deadline itself; the margin covers one blocking step.
-        let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
-        match rx.recv_timeout(wait) {
+        make: impl FnOnce(Reply) -> Command,
+    ) -> Option<oneshot::Receiver<Result<(), String>>> {
+        let (tx, rx) = oneshot::channel();
+        self.command(make(tx)).ok().map(|()| rx)
+    }
+
+    /// How long a request waits: the worker answers by the deadline itself, at its next
+    /// round; the margin covers a connect attempt in progress (a few seconds).
+    fn answer_by(deadline: Instant) -> Instant {
+        deadline.max(Instant::now()) + Duration::from_secs(5)
+    }
+
+    /// What a request's wait came to.
+    fn answered(&self, answer: Result<Result<(), String>, NoAnswer>) -> Result<(), String> {
+        match answer {
             Ok(answer) => answer,
             // The worker ended (closed or failed) before it took the command: the command
             // was dropped with its queue.
-            Err(mpsc::RecvTimeoutError::Disconnected) => self.stopped(),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                Err("the connection did not answer in time".to_string())
-            }
+            Err(NoAnswer::Dropped) => self.stopped(),
+            Err(NoAnswer::TimedOut) => Err("the connection did not answer in time".to_string()),
+        }
+    }
+
+    fn request(
+        &self,
+        make: impl FnOnce(Reply) -> Command,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        match self.ask(make) {
+            Some(rx) => self.answered(reply::wait(rx, Self::answer_by(deadline))),
+            None => self.stopped(),
+        }
+    }
+
+    async fn request_async(
+        &self,
+        make: impl FnOnce(Reply) -> Command,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        match self.ask(make) {
+            Some(rx) => self.answered(reply::wait_async(rx, Self::answer_by(deadline)).await),
+            None => self.stopped(),
         }
     }
 
@@ -584,6 +600,9 @@ impl Migratable for ConnShared {
     }
 }
 
+/// The report of a connecting worker: connected, or why not.
+type Connected = oneshot::Receiver<Result<(), ConnError>>;
+
 /// A migratable connection. Cheap to share between threads (Send + Sync); dropping the last
 /// handle closes it.
 pub struct Connection {
@@ -599,12 +618,25 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connects to a [`Listener`] at `peer`, retrying until `opts.connect_timeout`.
+    /// Connects to a [`Listener`] at `peer`, retrying until `opts.connect_timeout`. The
+    /// connection's worker runs on a thread of its own.
     pub fn connect(peer: SocketAddr, opts: &ConnectOptions) -> Result<Connection, ConnError> {
+        let (shared, ready) = Self::start_connect(peer, opts, None)?;
+        let answer = reply::wait(ready, Self::connect_deadline(opts));
+        Self::connected(shared, peer, answer)
+    }
+
+    /// Starts a connection's worker (as a task on `runtime`, or on a thread of its own)
+    /// connecting to `peer`; it reports on the receiver.
+    fn start_connect(
+        peer: SocketAddr,
+        opts: &ConnectOptions,
+        runtime: Option<Handle>,
+    ) -> Result<(Arc<ConnShared>, Connected), ConnError> {
         let id: ConnectionId = rand::random::<u64>() | 1;
         let token: [u8; 16] = rand::random();
         let (shared, rx) = ConnShared::new(id, token, Role::Active, opts.clone())?;
-        let (ready_tx, ready_rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = oneshot::channel();
         worker::spawn(
             shared.clone(),
             rx,
@@ -612,20 +644,32 @@ impl Connection {
                 peer,
                 ready: ready_tx,
             },
+            runtime,
         )?;
-        let wait = opts.connect_timeout + Duration::from_secs(10);
-        match ready_rx.recv_timeout(wait) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
-                return Err(ConnError::ConnectTimedOut {
-                    peer,
-                    after: opts.connect_timeout,
-                    last: "the connection worker did not report".into(),
-                })
-            }
+        Ok((shared, ready_rx))
+    }
+
+    /// The worker ends its connect attempts by `connect_timeout`; the margin covers the
+    /// attempt in progress.
+    fn connect_deadline(opts: &ConnectOptions) -> Instant {
+        Instant::now() + opts.connect_timeout + Duration::from_secs(10)
+    }
+
+    /// The connection, once its worker reported success.
+    fn connected(
+        shared: Arc<ConnShared>,
+        peer: SocketAddr,
+        answer: Result<Result<(), ConnError>, NoAnswer>,
+    ) -> Result<Connection, ConnError> {
+        match answer {
+            Ok(Ok(())) => Ok(Self::from_shared(shared, None)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ConnError::ConnectTimedOut {
+                peer,
+                after: shared.opts.connect_timeout,
+                last: "the connection worker did not report".into(),
+            }),
         }
-        Ok(Self::from_shared(shared, None))
     }
 
     pub(crate) fn from_shared(
@@ -836,6 +880,14 @@ impl Connection {
     /// acknowledged, tells the peer, disconnects and releases everything. A second close is an
     /// [`ConnError::InvalidState`], as are `send` and `recv` after it.
     pub fn close(&self) -> Result<(), ConnError> {
+        let deadline = self.begin_close()?;
+        self.shared
+            .request(|reply| Command::Close { deadline, reply }, deadline)
+            .map_err(|reason| self.close_failed(reason))
+    }
+
+    /// Marks the connection closed by the application; the close's deadline.
+    fn begin_close(&self) -> Result<Instant, ConnError> {
         let mut st = self.shared.lock();
         if st.closed_by_app {
             return Err(ConnError::InvalidState {
@@ -845,15 +897,15 @@ impl Connection {
             });
         }
         st.closed_by_app = true;
-        drop(st);
-        let deadline = Instant::now() + self.shared.opts.close_timeout;
-        self.shared
-            .request(|reply| Command::Close { deadline, reply }, deadline)
-            .map_err(|reason| ConnError::Control {
-                id: self.shared.id,
-                op: "close",
-                reason,
-            })
+        Ok(Instant::now() + self.shared.opts.close_timeout)
+    }
+
+    fn close_failed(&self, reason: String) -> ConnError {
+        ConnError::Control {
+            id: self.shared.id,
+            op: "close",
+            reason,
+        }
     }
 }
 
@@ -861,58 +913,10 @@ impl Drop for Connection {
     fn drop(&mut self) {
         // The handle is the application's only one (not Clone): dropping it closes the
         // connection. The registry and the listener hold only Weak references.
-        let (tx, _rx) = mpsc::channel();
+        let (tx, _rx) = oneshot::channel();
         let _ = self.shared.command(Command::Close {
             deadline: Instant::now() + Duration::from_secs(1),
             reply: tx,
         });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
-    use std::sync::atomic::AtomicU64;
-
-    /// An application notifying as fast as it can, against a worker that sleeps on the
-    /// eventfd as the real one does: the worker's poll must never run into its timeout while
-    /// a notification it has not seen is pending (that is a lost wake-up: the real worker
-    /// would leave a message waiting for its 100 ms tick).
-    #[test]
-    fn no_wake_up_is_lost_under_a_stream_of_notifications() {
-        let (shared, _commands) =
-            ConnShared::new(1, [0; 16], Role::Active, ConnectOptions::default()).unwrap();
-        let posted = Arc::new(AtomicU64::new(0));
-        let lost = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let worker = {
-            let (shared, posted, lost, done) =
-                (shared.clone(), posted.clone(), lost.clone(), done.clone());
-            std::thread::spawn(move || {
-                let mut seen = 0;
-                while !done.load(Ordering::SeqCst) {
-                    let mut fds = [PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN)];
-                    let ready = poll(&mut fds, PollTimeout::from(1000u16)).unwrap_or(0);
-                    if ready == 0 && posted.load(Ordering::SeqCst) > seen {
-                        lost.store(true, Ordering::SeqCst);
-                    }
-                    shared.take_wake();
-                    seen = posted.load(Ordering::SeqCst);
-                }
-            })
-        };
-        for i in 1..=300_000u64 {
-            posted.store(i, Ordering::SeqCst);
-            shared.notify_worker();
-        }
-        done.store(true, Ordering::SeqCst);
-        shared.notify_worker();
-        worker.join().unwrap();
-        assert!(
-            !lost.load(Ordering::SeqCst),
-            "the worker slept through a notification"
-        );
     }
 }

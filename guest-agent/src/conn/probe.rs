@@ -59,7 +59,15 @@ pub fn probe_bridge(
             credits: 0,
         }))
     };
-    match bridge::introduce(peer, &greeting) {
+    // A one-off probe: a runtime of its own for the bridge's set-up steps.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return ProbeAnswer::NoAnswer(format!("starting a tokio runtime: {e}")),
+    };
+    match runtime.block_on(bridge::introduce(peer, &greeting)) {
         Ok((_, PrivateData::Reject(r))) => ProbeAnswer::Refused(r.reason),
         Ok((_, PrivateData::Accept(_))) => ProbeAnswer::Accepted,
         Ok((_, other)) => ProbeAnswer::NoAnswer(format!("unexpected answer {other:?}")),

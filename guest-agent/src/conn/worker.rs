@@ -1,29 +1,45 @@
-//! The connection's worker thread: owns every verbs object of one connection and its TCP
-//! bridge, and runs its state machine (connect / accept, data path, quiesce, resume, replay,
-//! bridging, close).
+//! The connection's worker: owns every verbs object of one connection and its TCP bridge,
+//! and runs its state machine (connect / accept, data path, quiesce, resume, replay,
+//! bridging, close) as one async task.
+//!
+//! Every wait is an await on tokio: the completion channel, the CM event channel and the
+//! bridge socket through [`AsyncFd`] (all non-blocking), the application's wake-ups through
+//! a `Notify`, the coarse deadlines on a 100 ms interval. AsyncFd is edge-triggered: a
+//! readiness is cleared when the worker takes it, before it reads, and every read then goes
+//! on until the descriptor has nothing more (EAGAIN), so whatever arrives after the clear
+//! raises it again. CM events read ahead while waiting for one in particular wait in a queue.
+//!
+//! The task runs on the runtime of the async API's caller, or on a current-thread runtime
+//! of its own thread for the blocking API ([`spawn`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
+use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rdmamig_proto::agent::{ConnectionState, Role};
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
+use tokio::io::Interest;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+use tokio::time::{Interval, MissedTickBehavior};
 
 use super::bridge::Bridge;
 use super::credits::{classify, Arrival, Credits, StarvedProbe};
 use super::onesided::{remote_access, OpKind};
+use super::reply::Reply;
 use super::sendq::SendSlots;
 use super::wire::{
     Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_BRIDGE,
     FLAG_MOVING, HEADER_LEN, REGION_ENTRY_LEN,
 };
 use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
+use crate::verbs::watch;
 use crate::verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
-    EventChannel, ExposedRegion, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, SendWr,
+    EventChannel, ExposedRegion, IdKey, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, SendWr,
     VerbsError, WorkCompletion,
 };
 
@@ -42,8 +58,8 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
 const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
 /// How long to wait for DISCONNECTED after rdma_disconnect.
 const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
-/// The worker's poll timeout, in ms: the granularity of its deadlines.
-const TICK_MS: u16 = 100;
+/// The worker's tick: the granularity of its deadlines.
+const TICK: Duration = Duration::from_millis(100);
 /// How often the device list is refreshed while the connection holds no device.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 /// Pause between attempts of the active side to open a lost bridge again.
@@ -51,14 +67,12 @@ const BRIDGE_RETRY: Duration = Duration::from_secs(1);
 /// How often a sender that waits for credits with nothing in flight probes its peer.
 const STARVED_PROBE: Duration = Duration::from_secs(1);
 
-type Reply = mpsc::Sender<Result<(), String>>;
-
 /// How the worker starts.
 pub(crate) enum Start {
     /// Connect to `peer` with HELLO; report on `ready`.
     Active {
         peer: SocketAddr,
-        ready: mpsc::Sender<Result<(), ConnError>>,
+        ready: oneshot::Sender<Result<(), ConnError>>,
     },
     /// Accept the HELLO connect request on `id`; `on_ready` gets the connection once
     /// established.
@@ -69,49 +83,49 @@ pub(crate) enum Start {
     },
 }
 
+/// Starts the worker of `sh`: as a task on `runtime` if given (the async API), else on a
+/// current-thread runtime of a thread of its own (the blocking API).
 pub(crate) fn spawn(
     sh: Arc<ConnShared>,
     rx: mpsc::Receiver<Command>,
     start: Start,
+    runtime: Option<Handle>,
 ) -> Result<(), ConnError> {
     let chan = EventChannel::new().map_err(|source| ConnError::Verbs {
         op: "creating the connection's event channel",
         source,
     })?;
-    std::thread::Builder::new()
-        .name(format!("rdmamig-conn-{:04x}", sh.id & 0xffff))
-        .spawn(move || {
-            let slot = HEADER_LEN + sh.opts.max_message;
-            let mut w = Worker {
-                sh,
-                rx,
-                chan,
-                link: None,
-                bridge: None,
-                bridging: false,
-                next_bridge_attempt: Instant::now(),
-                down: Down::Awaiting {
-                    until: Instant::now(),
-                },
-                peer: None,
-                quiesce_op: None,
-                resume_op: None,
-                close_op: None,
-                next_attempt: Instant::now(),
-                last_refresh: Instant::now(),
-                last_error: String::new(),
-                last_link: None,
-                slot,
-                wcs: Vec::with_capacity(64),
-                done: false,
+    let name = format!("rdmamig-conn-{:04x}", sh.id & 0xffff);
+    match runtime {
+        Some(handle) => {
+            let worker = {
+                let _in = handle.enter();
+                Worker::new(sh, rx, chan)?
             };
-            w.start(start);
-            w.run();
-        })
-        .map_err(|source| ConnError::Spawn {
-            what: "worker thread",
-            source,
-        })?;
+            handle.spawn(worker.run(start));
+        }
+        None => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .enable_time()
+                .build()
+                .map_err(|source| ConnError::Spawn {
+                    what: "worker runtime",
+                    source,
+                })?;
+            let worker = {
+                let _in = runtime.enter();
+                Worker::new(sh, rx, chan)?
+            };
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || runtime.block_on(worker.run(start)))
+                .map_err(|source| ConnError::Spawn {
+                    what: "worker thread",
+                    source,
+                })?;
+        }
+    }
     Ok(())
 }
 
@@ -176,6 +190,9 @@ struct Pause {
 }
 
 struct Link {
+    /// The completion channel as the runtime watches it. First, so it is dropped (and the
+    /// watch ended) before the QP; it holds the channel open until then either way.
+    comp: AsyncFd<CompletionChannel>,
     ep: Endpoint,
     /// This side's exposed buffers as registered on this QP (dropped after the QP).
     exposed: Vec<(u64, ExposedRegion)>,
@@ -189,8 +206,8 @@ struct Link {
     inflight: VecDeque<(u32, u64)>,
     credits: Credits,
     /// The CQ is armed: its next completion raises an event on the channel. An event
-    /// disarms it; it is armed again only after one was read (an event not yet read wakes
-    /// the worker's poll either way).
+    /// disarms it; it is armed again only after one was read (an event not yet read keeps
+    /// the channel's readiness, which wakes the worker either way).
     cq_armed: bool,
     starved: StarvedProbe,
     slots: SendSlots,
@@ -401,8 +418,12 @@ struct Worker {
     rx: mpsc::Receiver<Command>,
     // Field order matters for Drop: the link (QP, CQ, MRs, PD, id) before the channel.
     link: Option<Link>,
-    chan: EventChannel,
-    bridge: Option<Bridge>,
+    chan: AsyncFd<EventChannel>,
+    /// CM events read from `chan` but not yet handled (read ahead by [`Worker::wait_for`]).
+    cm_queue: VecDeque<CmEvent>,
+    bridge: Option<AsyncFd<Bridge>>,
+    /// Drives the coarse deadlines while nothing else wakes the worker.
+    tick: Interval,
     /// This side sends its messages over the bridge (from its quiesce with `bridge`, or the
     /// peer's PAUSE asking for it, until a new RDMA link is installed).
     bridging: bool,
@@ -423,10 +444,10 @@ struct Worker {
     done: bool,
 }
 
-/// Which of the worker's descriptors poll found readable.
+/// Which of the worker's descriptors became readable (their readiness is cleared: each must
+/// now be read until it has nothing more).
+#[derive(Default)]
 struct Ready {
-    /// The application's eventfd.
-    wake: bool,
     /// The rdma_cm event channel.
     cm: bool,
     /// The link's completion channel.
@@ -464,7 +485,87 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Takes a readiness tokio reported: clears it, so the next one comes from an edge after
+/// this point (the caller reads until EAGAIN now). `false` if the descriptor failed.
+fn clear<T: AsRawFd>(taken: std::io::Result<AsyncFdReadyGuard<'_, T>>) -> bool {
+    match taken {
+        Ok(mut guard) => {
+            guard.clear_ready();
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "waiting for a descriptor failed");
+            false
+        }
+    }
+}
+
+/// Readable `fd`; never, without one.
+async fn readable<T: AsRawFd>(
+    fd: Option<&AsyncFd<T>>,
+) -> std::io::Result<AsyncFdReadyGuard<'_, T>> {
+    match fd {
+        Some(fd) => fd.readable().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The bridge readable, or writable while it holds unsent bytes (the last write then found
+/// the socket full: its next edge is the one to wait for); never, without a bridge.
+async fn bridge_ready(
+    bridge: Option<&AsyncFd<Bridge>>,
+) -> std::io::Result<AsyncFdReadyGuard<'_, Bridge>> {
+    match bridge {
+        Some(b) if b.get_ref().wants_write() => {
+            b.ready(Interest::READABLE | Interest::WRITABLE).await
+        }
+        Some(b) => b.ready(Interest::READABLE).await,
+        None => std::future::pending().await,
+    }
+}
+
 impl Worker {
+    /// A worker that has yet to start; called within the runtime it will run on (the
+    /// channel is registered with that runtime's reactor).
+    fn new(
+        sh: Arc<ConnShared>,
+        rx: mpsc::Receiver<Command>,
+        chan: EventChannel,
+    ) -> Result<Worker, ConnError> {
+        let chan = watch(chan).map_err(|source| ConnError::Spawn {
+            what: "watch on the CM event channel",
+            source,
+        })?;
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let slot = HEADER_LEN + sh.opts.max_message;
+        Ok(Worker {
+            sh,
+            rx,
+            link: None,
+            chan,
+            cm_queue: VecDeque::new(),
+            bridge: None,
+            tick,
+            bridging: false,
+            next_bridge_attempt: Instant::now(),
+            down: Down::Awaiting {
+                until: Instant::now(),
+            },
+            peer: None,
+            quiesce_op: None,
+            resume_op: None,
+            close_op: None,
+            next_attempt: Instant::now(),
+            last_refresh: Instant::now(),
+            last_error: String::new(),
+            last_link: None,
+            slot,
+            wcs: Vec::with_capacity(64),
+            done: false,
+        })
+    }
+
     fn depth(&self) -> u32 {
         self.sh.opts.recv_depth.max(2 * RESERVE as u32)
     }
@@ -478,20 +579,24 @@ impl Worker {
         self.sh.changed();
     }
 
-    fn start(&mut self, start: Start) {
+    async fn start(&mut self, start: Start) {
         match start {
             Start::Active { peer, ready } => {
                 self.peer = Some(peer);
                 let deadline = Instant::now() + self.sh.opts.connect_timeout;
                 loop {
-                    match self.attempt(false) {
+                    match self.attempt(false).await {
                         Ok(()) => {
-                            if let Err(err) = self.open_bridge() {
+                            if let Err(err) = self.open_bridge().await {
                                 let _ = ready.send(Err(err));
                                 self.fail(Failure::Setup("opening the bridge".into()));
                                 return;
                             }
-                            let _ = ready.send(Ok(()));
+                            if ready.send(Ok(())).is_err() {
+                                // The caller gave up (its connect was cancelled): nobody
+                                // holds the connection, so it closes as a dropped one does.
+                                self.abandoned();
+                            }
                             return;
                         }
                         Err(e) if e.refused.is_some() || Instant::now() >= deadline => {
@@ -510,7 +615,7 @@ impl Worker {
                         }
                         Err(e) => {
                             self.last_error = e.msg;
-                            std::thread::sleep(self.sh.opts.reconnect_interval);
+                            tokio::time::sleep(self.sh.opts.reconnect_interval).await;
                         }
                     }
                 }
@@ -519,25 +624,30 @@ impl Worker {
                 id,
                 hello,
                 on_ready,
-            } => match self.accept_on(id, &hello) {
+            } => match self.accept_on(id, &hello).await {
                 Ok(()) => on_ready(self.sh.clone()),
                 Err(e) => self.fail(Failure::Setup(format!("accept: {}", e.msg))),
             },
         }
     }
 
-    fn run(&mut self) {
+    /// Closes a connection no application holds, as dropping its handle would.
+    fn abandoned(&mut self) {
+        self.sh.lock().closed_by_app = true;
+        let (reply, _) = oneshot::channel();
+        self.close_op = Some((Instant::now() + Duration::from_secs(1), reply));
+    }
+
+    async fn run(mut self, start: Start) {
+        self.start(start).await;
         while !self.done {
-            // Everything that needs prompt action wakes the poll (the application's eventfd,
-            // the CM channel, the completion channel); the timeout only drives the coarse
-            // deadlines (100 ms granularity, all of them at least 500 ms long).
-            // Only descriptors poll found readable are read: on a TCG guest each read that
+            // Everything that needs prompt action wakes the worker (the application's
+            // Notify, the CM channel, the completion channel, the bridge); the tick only
+            // drives the coarse deadlines (100 ms granularity, all of them at least 500 ms
+            // long). Only channels found readable are read: on a TCG guest each read that
             // would find nothing (EAGAIN) is a system call the round does not need.
-            let ready = self.wait(TICK_MS);
-            if ready.wake {
-                self.sh.take_wake();
-            }
-            self.handle_commands();
+            let ready = self.wait().await;
+            self.handle_commands().await;
             if self.done {
                 break;
             }
@@ -548,9 +658,7 @@ impl Worker {
             if self.link.as_ref().is_some_and(|l| l.peer_bridging) {
                 self.start_bridging();
             }
-            if ready.cm {
-                self.handle_cm_events();
-            }
+            self.handle_cm_events(ready.cm);
             self.serve_bridge();
             if self.link.is_some() {
                 self.progress();
@@ -558,57 +666,39 @@ impl Worker {
                     self.pump();
                 }
             } else {
-                self.down_tick();
+                self.down_tick().await;
             }
-            self.reopen_bridge();
+            self.reopen_bridge().await;
             self.check_deadlines();
         }
         // Whatever remains is released here: link first, then the channel (field order).
         self.link = None;
     }
 
-    /// Sleeps until a descriptor is readable (or writable: the bridge with data queued) or
-    /// `timeout_ms` passed; says which have something to read.
-    fn wait(&self, timeout_ms: u16) -> Ready {
-        let wake = self.sh.wake.as_fd();
-        let chan = self.chan.fd();
-        let mut fds = vec![
-            PollFd::new(wake, PollFlags::POLLIN),
-            PollFd::new(chan, PollFlags::POLLIN),
-        ];
-        if let Some(link) = &self.link {
-            fds.push(PollFd::new(link.ep.comp.fd(), PollFlags::POLLIN));
+    /// Sleeps until the application wakes the worker, a channel or the bridge is ready
+    /// (the bridge writable only while it holds unsent bytes) or the tick; says which
+    /// channels became readable. A queued CM event ends the sleep at once.
+    async fn wait(&mut self) -> Ready {
+        let mut ready = Ready::default();
+        if !self.cm_queue.is_empty() {
+            return ready;
         }
-        if let Some(bridge) = &self.bridge {
-            let mut events = PollFlags::POLLIN;
-            if bridge.wants_write() {
-                events |= PollFlags::POLLOUT;
+        let comp = self.link.as_ref().map(|l| &l.comp);
+        tokio::select! {
+            () = self.sh.wake.notified() => {}
+            taken = self.chan.readable() => ready.cm = clear(taken),
+            taken = readable(comp) => ready.completions = clear(taken),
+            taken = bridge_ready(self.bridge.as_ref()) => {
+                clear(taken);
             }
-            fds.push(PollFd::new(bridge.fd(), events));
+            _ = self.tick.tick() => {}
         }
-        if poll(&mut fds, PollTimeout::from(timeout_ms)).is_err() {
-            // EINTR: look at everything.
-            return Ready {
-                wake: true,
-                cm: true,
-                completions: true,
-            };
-        }
-        let readable = |fd: &PollFd| {
-            fd.revents().is_some_and(|r| {
-                r.intersects(PollFlags::POLLIN | PollFlags::POLLERR | PollFlags::POLLHUP)
-            })
-        };
-        Ready {
-            wake: readable(&fds[0]),
-            cm: readable(&fds[1]),
-            completions: self.link.is_some() && readable(&fds[2]),
-        }
+        ready
     }
 
     // ---- commands ----
 
-    fn handle_commands(&mut self) {
+    async fn handle_commands(&mut self) {
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
                 Command::Quiesce {
@@ -618,7 +708,7 @@ impl Worker {
                 } => self.on_quiesce(deadline, bridge, reply),
                 Command::Bridge { stream, hello } => self.on_bridge(stream, hello),
                 Command::Resume { deadline, reply } => self.on_resume(deadline, reply),
-                Command::Incoming { id, hello } => self.on_incoming(id, hello),
+                Command::Incoming { id, hello } => self.on_incoming(id, hello).await,
                 Command::Close { deadline, reply } => {
                     if self.link.is_none() {
                         let _ = reply.send(Ok(()));
@@ -680,7 +770,7 @@ impl Worker {
         }
     }
 
-    fn on_incoming(&mut self, id: CmId, hello: Hello) {
+    async fn on_incoming(&mut self, id: CmId, hello: Hello) {
         let reject = |id: &CmId, reason| {
             let pd = PrivateData::Reject(Reject {
                 conn_id: hello.conn_id,
@@ -699,7 +789,7 @@ impl Worker {
                 false,
             );
         }
-        match self.accept_on(id, &hello) {
+        match self.accept_on(id, &hello).await {
             Ok(()) => {}
             Err(e) => {
                 tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e.msg, "resume accept failed");
@@ -710,39 +800,62 @@ impl Worker {
 
     // ---- connect / accept ----
 
-    fn wait_for(&mut self, id: &CmId, timeout: Duration) -> Result<CmEvent, AttemptError> {
-        let deadline = Instant::now() + timeout;
+    /// The next CM event for `id`, waiting up to `timeout`. Events for other ids stay queued
+    /// for the main loop (which ignores those of ids already released). While bridging,
+    /// the bridge carries the traffic meanwhile.
+    async fn wait_for(&mut self, id: IdKey, timeout: Duration) -> Result<CmEvent, AttemptError> {
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(transient(format!("no CM event within {timeout:?}")));
+            if let Some(at) = self.cm_queue.iter().position(|ev| ev.id == id) {
+                return Ok(self.cm_queue.remove(at).expect("found"));
             }
-            let mut wait = deadline - now;
-            if self.bridging && self.bridge.is_some() {
-                // The bridge carries the traffic meanwhile: sleep until the CM channel, the
-                // bridge or the application has something, serve the bridge, look again.
+            let bridging = self.bridging && self.bridge.is_some();
+            if bridging {
                 self.serve_bridge();
-                let ms = wait.as_millis().clamp(1, TICK_MS as u128) as u16;
-                self.wait(ms);
-                self.sh.take_wake();
-                self.serve_bridge();
-                wait = Duration::ZERO;
             }
-            if let Some(ev) = self.chan.get_event(wait)? {
-                if ev.id == id.key() {
-                    return Ok(ev);
+            let bridge = self.bridge.as_ref().filter(|_| bridging);
+            tokio::select! {
+                taken = self.chan.readable() => {
+                    if clear(taken) {
+                        self.read_cm_events()?;
+                    }
                 }
-                // Events of ids already released, or stray requests: nothing to do.
+                // The application queued something for the bridge.
+                () = self.sh.wake.notified(), if bridging => {}
+                taken = bridge_ready(bridge) => {
+                    clear(taken);
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(transient(format!("no CM event within {timeout:?}")));
+                }
             }
         }
     }
 
-    fn attempt(&mut self, resume: bool) -> Result<(), AttemptError> {
+    /// Drops the queued events before a new id is made: with no link, they are all of ids
+    /// already released, and a new id may reuse a released one's address (its key).
+    fn forget_released_ids(&mut self) {
+        debug_assert!(self.link.is_none());
+        self.cm_queue.clear();
+    }
+
+    /// Reads every pending CM event into the queue (until EAGAIN).
+    fn read_cm_events(&mut self) -> Result<(), VerbsError> {
+        while let Some(ev) = self.chan.get_ref().get_event(Duration::ZERO)? {
+            self.cm_queue.push_back(ev);
+        }
+        Ok(())
+    }
+
+    async fn attempt(&mut self, resume: bool) -> Result<(), AttemptError> {
         let peer = self.peer.ok_or_else(|| transient("no peer address"))?;
-        let id = CmId::create(&self.chan)?;
+        self.forget_released_ids();
+        let id = CmId::create(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
         id.resolve_addr(peer, RESOLVE_TIMEOUT)?;
-        let ev = self.wait_for(&id, RESOLVE_TIMEOUT + Duration::from_millis(500))?;
+        let ev = self
+            .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
+            .await?;
         if ev.kind != CmEventKind::AddrResolved {
             return Err(transient(format!(
                 "address resolution: {:?} ({})",
@@ -750,7 +863,9 @@ impl Worker {
             )));
         }
         id.resolve_route(RESOLVE_TIMEOUT)?;
-        let ev = self.wait_for(&id, RESOLVE_TIMEOUT + Duration::from_millis(500))?;
+        let ev = self
+            .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
+            .await?;
         if ev.kind != CmEventKind::RouteResolved {
             return Err(transient(format!(
                 "route resolution: {:?} ({})",
@@ -775,12 +890,11 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let ev = self.wait_for(&ep.id, ESTABLISH_TIMEOUT)?;
+        let ev = self.wait_for(ep.id.key(), ESTABLISH_TIMEOUT).await?;
         match ev.kind {
             CmEventKind::Established => match PrivateData::decode(&ev.private_data) {
                 Ok(PrivateData::Accept(a)) if a.conn_id == self.sh.id => {
-                    self.install(ep, a.credits as u64, a.last_received);
-                    Ok(())
+                    self.install(ep, a.credits as u64, a.last_received)
                 }
                 other => Err(AttemptError {
                     refused: Some(RejectReason::Other),
@@ -807,8 +921,9 @@ impl Worker {
         }
     }
 
-    fn accept_on(&mut self, mut id: CmId, hello: &Hello) -> Result<(), AttemptError> {
-        id.migrate(&self.chan)?;
+    async fn accept_on(&mut self, mut id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+        self.forget_released_ids();
+        id.migrate(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
         let ep = build_endpoint(id, self.depth(), self.slot)?;
         let last_received = self.sh.lock().last_received;
@@ -822,15 +937,21 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let ev = self.wait_for(&ep.id, ESTABLISH_TIMEOUT)?;
+        let ev = self.wait_for(ep.id.key(), ESTABLISH_TIMEOUT).await?;
         if ev.kind != CmEventKind::Established {
             return Err(transient(format!("accept: {:?} ({})", ev.kind, ev.status)));
         }
-        self.install(ep, hello.credits as u64, hello.last_received);
-        Ok(())
+        self.install(ep, hello.credits as u64, hello.last_received)
     }
 
-    fn install(&mut self, ep: Endpoint, peer_credits: u64, peer_last: u64) {
+    fn install(
+        &mut self,
+        ep: Endpoint,
+        peer_credits: u64,
+        peer_last: u64,
+    ) -> Result<(), AttemptError> {
+        let comp = watch(ep.comp.clone())
+            .map_err(|e| transient(format!("watching the completion channel: {e}")))?;
         let local = ep
             .id
             .local_addr()
@@ -843,6 +964,7 @@ impl Worker {
             st.outbox.pop_front();
         }
         self.link = Some(Link {
+            comp,
             ep,
             exposed: Vec::new(),
             announce: Vec::new(),
@@ -886,20 +1008,20 @@ impl Worker {
             peer_last,
             "link established"
         );
+        Ok(())
     }
 
     // ---- link up ----
 
-    fn handle_cm_events(&mut self) {
-        loop {
-            let ev = match self.chan.get_event(Duration::ZERO) {
-                Ok(Some(ev)) => ev,
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading CM events failed");
-                    return;
-                }
-            };
+    /// Handles the queued CM events, after reading the channel dry if `read` (its readiness
+    /// was taken).
+    fn handle_cm_events(&mut self, read: bool) {
+        if read {
+            if let Err(e) = self.read_cm_events() {
+                tracing::warn!(error = %e, "reading CM events failed");
+            }
+        }
+        while let Some(ev) = self.cm_queue.pop_front() {
             let Some(link) = &self.link else { continue };
             if ev.id != link.ep.id.key() {
                 continue;
@@ -921,8 +1043,8 @@ impl Worker {
         }
     }
 
-    /// Polls the CQ dry and arms it again; reads its channel's events first if `events` (poll
-    /// found the channel readable).
+    /// Polls the CQ dry and arms it again; reads its channel's events first (until EAGAIN)
+    /// if `events` (its readiness was taken).
     fn handle_completions(&mut self, events: bool) {
         let Some(link) = &mut self.link else { return };
         if events {
@@ -943,7 +1065,7 @@ impl Worker {
             let Some(link) = &mut self.link else { return };
             match link.ep.cq.poll(&mut self.wcs, 64) {
                 // Still armed from an earlier round (no event read since): the next
-                // completion wakes the poll, no need to arm it again.
+                // completion wakes the worker, no need to arm it again.
                 Ok(0) if link.cq_armed => break,
                 Ok(0) => {
                     if let Err(e) = link.ep.cq.req_notify() {
@@ -1228,7 +1350,7 @@ impl Worker {
     // ---- bridge ----
 
     /// The active side opens the bridge (if one is configured) right after its first link.
-    fn open_bridge(&mut self) -> Result<(), ConnError> {
+    async fn open_bridge(&mut self) -> Result<(), ConnError> {
         let Some(addr) = self.sh.opts.bridge else {
             return Ok(());
         };
@@ -1239,14 +1361,15 @@ impl Worker {
             credits: 0,
         };
         let (bridge, peer_last) = Bridge::open(addr, hello, self.sh.opts.max_message)
+            .await
             .map_err(|reason| ConnError::Bridge { addr, reason })?;
         tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %addr, "bridge open");
-        self.install_bridge(bridge, peer_last);
-        Ok(())
+        self.install_bridge(bridge, peer_last)
+            .map_err(|reason| ConnError::Bridge { addr, reason })
     }
 
     /// The active side opens a lost bridge again, at most every [`BRIDGE_RETRY`].
-    fn reopen_bridge(&mut self) {
+    async fn reopen_bridge(&mut self) {
         let now = Instant::now();
         if self.bridge.is_some()
             || self.sh.role != Role::Active
@@ -1256,7 +1379,7 @@ impl Worker {
             return;
         }
         self.next_bridge_attempt = now + BRIDGE_RETRY;
-        if let Err(e) = self.open_bridge() {
+        if let Err(e) = self.open_bridge().await {
             tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e, "bridge not reopened");
         }
     }
@@ -1280,31 +1403,36 @@ impl Worker {
             last_received: self.sh.lock().last_received,
             credits: 0,
         };
-        match Bridge::answer(stream, accept, self.sh.opts.max_message) {
-            Ok(bridge) => self.install_bridge(bridge, hello.last_received),
+        let answered = Bridge::answer(stream, accept, self.sh.opts.max_message)
+            .and_then(|bridge| self.install_bridge(bridge, hello.last_received));
+        match answered {
+            Ok(()) => {}
             Err(e) => {
                 tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e, "bridge not accepted")
             }
         }
     }
 
-    fn install_bridge(&mut self, mut bridge: Bridge, peer_last: u64) {
+    /// Carries on with `bridge`, watched by the runtime from now on.
+    fn install_bridge(&mut self, bridge: Bridge, peer_last: u64) -> Result<(), String> {
+        let mut bridge = watch(bridge).map_err(|e| format!("watching the bridge socket: {e}"))?;
         let mut st = self.sh.lock();
         while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
             st.outbox.pop_front();
         }
-        bridge.sent_upto = resend_point(&st);
+        bridge.get_mut().sent_upto = resend_point(&st);
         st.bridge_up = true;
         drop(st);
         self.sh.changed();
-        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), peer = %bridge.peer(), "bridge up");
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), peer = %bridge.get_ref().peer(), "bridge up");
         self.bridge = Some(bridge);
+        Ok(())
     }
 
     /// This side carries its messages over the bridge from now on, starting at its oldest
     /// unacknowledged one (no-op without a bridge, or when already bridging).
     fn start_bridging(&mut self) {
-        let Some(bridge) = &mut self.bridge else {
+        let Some(bridge) = self.bridge.as_mut().map(AsyncFd::get_mut) else {
             return;
         };
         if self.bridging {
@@ -1322,7 +1450,7 @@ impl Worker {
     /// Takes what arrived on the bridge, queues this side's messages on it while bridging
     /// and an ACK when one is owed, and writes what the socket takes.
     fn serve_bridge(&mut self) {
-        let Some(bridge) = &mut self.bridge else {
+        let Some(bridge) = self.bridge.as_mut().map(AsyncFd::get_mut) else {
             return;
         };
         let mut st = self.sh.lock();
@@ -1397,7 +1525,7 @@ impl Worker {
 
     // ---- link down ----
 
-    fn down_tick(&mut self) {
+    async fn down_tick(&mut self) {
         let now = Instant::now();
         if now.duration_since(self.last_refresh) >= REFRESH_INTERVAL {
             let _ = refresh_device_list();
@@ -1426,7 +1554,7 @@ impl Worker {
                     return;
                 }
                 if self.peer.is_some() && now >= self.next_attempt {
-                    match self.attempt(true) {
+                    match self.attempt(true).await {
                         Ok(()) => {}
                         Err(AttemptError {
                             refused: Some(reason),

@@ -3,7 +3,7 @@
 use std::io;
 use std::mem;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -161,6 +161,17 @@ impl EventChannel {
         Ok(Some(event))
     }
 }
+
+/// The descriptor, for a reactor to watch (tokio's `AsyncFd`).
+impl AsRawFd for EventChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.raw_fd()
+    }
+}
+
+// SAFETY: the descriptor is the channel's own, set at creation and closed only when the last
+// holder of `inner` (this value or an id on the channel) drops it.
+unsafe impl super::OwnsFd for EventChannel {}
 
 /// Identity of a cm id, to match events with ids. Only compared, never dereferenced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

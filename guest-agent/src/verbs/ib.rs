@@ -1,7 +1,7 @@
 //! libibverbs objects on a cm id's device: PD, completion channel, CQ, MR.
 
 use std::io;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 use std::time::Duration;
@@ -410,6 +410,18 @@ impl CompletionChannel {
         })
     }
 }
+
+/// The descriptor, for a reactor to watch (tokio's `AsyncFd`).
+impl AsRawFd for CompletionChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd().as_raw_fd()
+    }
+}
+
+// SAFETY: the descriptor is the channel's own, set at creation and closed only when the last
+// holder of `inner` (this value, a clone or a CQ on the channel) drops it: a clone being
+// watched keeps it open until the watch ends.
+unsafe impl super::OwnsFd for CompletionChannel {}
 
 pub(crate) struct CqInner {
     ptr: NonNull<ibv_cq>,

@@ -26,6 +26,9 @@ pub use ib::{
 
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+
+use tokio::io::unix::AsyncFd;
 
 use thiserror::Error;
 
@@ -173,10 +176,26 @@ pub enum VerbsError {
     GetDevices(#[source] io::Error),
 }
 
+/// A value that owns its descriptor: what tokio's reactor needs of what it watches.
+///
+/// # Safety
+///
+/// `as_raw_fd` must return the same open descriptor, referring to the same open file
+/// description, for the value's whole lifetime.
+pub(crate) unsafe trait OwnsFd: AsRawFd {}
+
+/// Watches `inner`'s descriptor with the current runtime's reactor (called within a runtime
+/// with IO enabled). The watch ends, and the descriptor is deregistered, before `inner` is
+/// dropped with the returned [`AsyncFd`].
+pub(crate) fn watch<T: OwnsFd>(inner: T) -> io::Result<AsyncFd<T>> {
+    // SAFETY: `OwnsFd` promises what `register` requires: the descriptor stays open and the
+    // same while the AsyncFd owns `inner`.
+    unsafe { AsyncFd::register(inner) }.map_err(|e| e.into_parts().1)
+}
+
 /// Sets O_NONBLOCK on a descriptor owned by a verbs object.
 fn set_nonblocking(fd: std::os::fd::BorrowedFd<'_>, what: &'static str) -> Result<(), VerbsError> {
     use nix::fcntl::{fcntl, FcntlArg, OFlag};
-    use std::os::fd::AsRawFd;
     let map = |e: nix::Error| VerbsError::SetNonBlocking {
         what,
         source: io::Error::from_raw_os_error(e as i32),
