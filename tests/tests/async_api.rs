@@ -9,7 +9,10 @@
 //! running after the move and end cleanly, the server must have received exactly what the
 //! client sent, the peer must have verified every region written (and some were), and
 //! every region must have been read back. A latency run through the async API on the moved
-//! VM follows.
+//! VM follows. Last, `rdmamig-perf pair` runs a server and a client connected to it in one
+//! process on its one runtime thread, with both connections' workers as tasks there: it
+//! cannot pass if a worker ever blocks its runtime thread (the other end's worker, which it
+//! waits for, would never run).
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -27,6 +30,8 @@ const END_WAIT: Duration = Duration::from_secs(120);
 const PORT: u16 = 7480;
 /// The one-sided run's server, which owns the buffer.
 const WRITE_PORT: u16 = 7481;
+/// `pair`'s listener, on the peer.
+const PAIR_PORT: u16 = 7482;
 
 #[test]
 fn the_async_api_streams_through_a_move_exactly_once_and_in_order() {
@@ -115,6 +120,17 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
     let served = finished(&g.peer, "serve")?;
     assert_eq!(served["echoed"].as_u64(), Some(300), "{served}");
     println!("after the move: {lat}");
+
+    // Both ends and both workers on one runtime thread.
+    let pair = format!("{}:{PAIR_PORT}", g.peer.spec().address());
+    start(
+        &g.peer,
+        "pair",
+        &format!("pair --listen {pair} --iters 200"),
+    )?;
+    let paired = finished(&g.peer, "pair")?;
+    assert_eq!(paired["echoed"].as_u64(), Some(300), "{paired}");
+    println!("both ends on one runtime thread: {paired}");
     Ok(())
 }
 

@@ -33,6 +33,9 @@ use serde::Serialize;
 ///        WRITE to complete, sends a notice with the region's checksum, waits for the server
 ///        to verify it in its buffer, and READs the region back; `region_rate` is regions
 ///        per second through that whole round.
+///   pair: `serve` and `lat` against it in this one process, at once, on its one runtime
+///        thread (async API only): with the async API the connections' workers are tasks
+///        on that thread too, so this runs only if none of them ever blocks it.
 ///
 /// Example:
 ///   rdmamig-perf serve --listen 10.77.0.11:7480
@@ -101,6 +104,16 @@ enum Cmd {
         #[arg(long)]
         seconds: Option<f64>,
     },
+    /// Both ends in this process on its one runtime thread: a server and a latency client
+    /// connected to it (async API only).
+    Pair {
+        /// Address to listen on and connect to (an address of the RDMA device).
+        #[arg(long)]
+        listen: SocketAddr,
+        /// Measured round trips (after 100 uncounted warm-up ones).
+        #[arg(long, default_value_t = 200)]
+        iters: u32,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -168,6 +181,12 @@ enum Report {
         echoed: u64,
         verified: u64,
     },
+    Pair {
+        /// Messages the server echoed.
+        echoed: u64,
+        /// The client's report.
+        lat: Box<Report>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -225,6 +244,37 @@ async fn run(cli: Cli) -> Result<Report, String> {
             let conn = connect(cli.api, &client).await?;
             one_sided(&conn, client.size, regions, Limit::new(count, seconds)).await
         }
+        Cmd::Pair { listen, iters } => pair(cli.api, listen, iters).await,
+    }
+}
+
+/// `serve` and `lat` against it, joined on this task: both ends' waits (and, with the
+/// async API, both workers) share the one runtime thread.
+async fn pair(api: Api, listen: SocketAddr, iters: u32) -> Result<Report, String> {
+    if !matches!(api, Api::Async) {
+        return Err("pair needs --api async (a blocking accept would hold the thread)".into());
+    }
+    let client = Client {
+        to: listen,
+        size: 256,
+        ready_file: None,
+    };
+    let server = async {
+        let conn = accept(api, listen, Duration::from_secs(60)).await?;
+        serve(&conn).await
+    };
+    let client = async {
+        let conn = connect(api, &client).await?;
+        latency(&conn, client.size, iters).await
+    };
+    match tokio::join!(server, client) {
+        (Ok(Report::Serve { echoed, .. }), Ok(lat)) => Ok(Report::Pair {
+            echoed,
+            lat: Box::new(lat),
+        }),
+        (Err(e), _) => Err(format!("the server: {e}")),
+        (_, Err(e)) => Err(format!("the client: {e}")),
+        (Ok(other), _) => Err(format!("the server reported {other:?}")),
     }
 }
 
