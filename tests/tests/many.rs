@@ -51,7 +51,6 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
     };
     let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     eprintln!("{}\n{}", o.move_output, scenario::render(&o));
-    assert!(o.move_succeeded, "the move failed:\n{}", o.move_output);
     let report = o
         .move_report
         .as_ref()

@@ -52,8 +52,6 @@ fn bridged_move_loses_nothing_and_carries_traffic_over_tcp() {
 /// What every coordinated move must show: each phase ok, every connection quiesced and
 /// resumed, nothing lost, duplicated or reordered either way, no error, traffic after.
 fn assert_coordinated(o: &ScenarioOutcome) {
-    assert!(o.move_succeeded, "the move failed:\n{}", o.move_output);
-
     let report = o
         .move_report
         .as_ref()
@@ -128,12 +126,8 @@ fn assert_coordinated(o: &ScenarioOutcome) {
 fn naive_move_baseline_is_recorded() {
     let o = run(Strategy::Naive);
     // The baseline's own steps must work for the comparison to mean anything: the unplug
-    // completes, the VM migrates, and the application reconnects by itself afterwards.
-    assert!(
-        o.move_succeeded,
-        "the naive move failed:\n{}",
-        o.move_output
-    );
+    // completes and the VM migrates (`run` fails otherwise), and the application
+    // reconnects by itself afterwards.
     assert!(
         o.peer.connections_established >= 2,
         "the plain client did not reconnect after the move"
