@@ -654,7 +654,14 @@ impl Worker {
             // Completions first: a CLOSE (or PAUSE) the peer sent just before it disconnected
             // must be seen before its DISCONNECTED event, or a clean close would look like a
             // broken link (and the resume that follows would be refused).
-            self.handle_completions(ready.completions);
+            if self.handle_completions(ready.completions) {
+                // The application was just woken (a message, room in the outbox): its turn
+                // first, so that what it answers is posted this round and carries the
+                // acknowledgement. Without it, on a runtime the application shares, the
+                // round went on to post a standalone ACK for every message received, which
+                // the peer's worker must take as one more completion.
+                tokio::task::yield_now().await;
+            }
             if self.link.as_ref().is_some_and(|l| l.peer_bridging) {
                 self.start_bridging();
             }
@@ -1044,9 +1051,11 @@ impl Worker {
     }
 
     /// Polls the CQ dry and arms it again; reads its channel's events first (until EAGAIN)
-    /// if `events` (its readiness was taken).
-    fn handle_completions(&mut self, events: bool) {
-        let Some(link) = &mut self.link else { return };
+    /// if `events` (its readiness was taken). Returns whether it woke the application.
+    fn handle_completions(&mut self, events: bool) -> bool {
+        let Some(link) = &mut self.link else {
+            return false;
+        };
         if events {
             match link.ep.cq.ack_events() {
                 // The event disarmed the CQ.
@@ -1060,9 +1069,12 @@ impl Worker {
             }
         }
         let mut failure: Option<LinkEvent> = None;
+        let mut woke = false;
         loop {
             self.wcs.clear();
-            let Some(link) = &mut self.link else { return };
+            let Some(link) = &mut self.link else {
+                return woke;
+            };
             match link.ep.cq.poll(&mut self.wcs, 64) {
                 // Still armed from an earlier round (no event read since): the next
                 // completion wakes the worker, no need to arm it again.
@@ -1092,6 +1104,7 @@ impl Worker {
             drop(st);
             if delivered {
                 self.sh.changed();
+                woke = true;
             }
             self.wcs = wcs;
             if failure.is_some() {
@@ -1106,6 +1119,7 @@ impl Worker {
                 || self.sh.lock().peer_closed;
             self.link_lost(f, expected);
         }
+        woke
     }
 
     /// Pause, PAUSE_ACK, close and disconnect progress.
