@@ -4,9 +4,9 @@
 //! One worker per connection owns every verbs object of it: an async task that awaits its
 //! descriptors through tokio (conn/worker.rs), on a runtime of its own thread for a
 //! [`Connection`], on the application's runtime for an [`AsyncConnection`]. The
-//! [`Connection`] handle (Send + Sync) talks to the worker through shared queues. The protocol (wire
-//! header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is described in
-//! docs/architecture.md.
+//! [`Connection`] handle (Send + Sync) talks to the worker through shared queues. The
+//! protocol (wire header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is
+//! described in docs/architecture.md.
 //!
 //! ```no_run
 //! use rdmamig_guest::conn::{ConnectOptions, Connection, Listener};
