@@ -4,7 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# No step fails silently: whatever command stops this script is named, with its line.
+trap 'echo "error: scripts/setup.sh stopped at line $LINENO: \"$BASH_COMMAND\" exited with status $?" >&2' ERR
+
+if ! command -v cargo >/dev/null; then
+  echo "error: cargo not found on PATH; install the Rust toolchain (https://rustup.rs), open a" \
+    "new shell (or run: . \"\$HOME/.cargo/env\") and retry" >&2
+  exit 1
+fi
+
 # What each package is for:
+#   ca-certificates     HTTPS to crates.io (cargo) and to apt mirrors
+#   gcc libc6-dev       the linker rustc calls, and the C that ring and rdma-sys build
 #   linux-image-amd64   the guest kernel with Soft-RoCE (rdma_rxe), rdma_cm and uverbs
 #   busybox-static      the guest initramfs userland
 #   rdma-core ibverbs-providers libibverbs-dev librdmacm-dev
@@ -13,7 +24,7 @@ cd "$(dirname "$0")/.."
 #                       ibv_devinfo, rping, ib_send_* in the guest for checks and baselines
 #   libclang-dev pkg-config   bindgen for rdma-sys
 #   iproute2            ip/rdma, network namespaces, bridge and taps
-packages=(linux-image-amd64 busybox-static rdma-core ibverbs-providers
+packages=(ca-certificates gcc libc6-dev linux-image-amd64 busybox-static rdma-core ibverbs-providers
   ibverbs-utils rdmacm-utils perftest libibverbs-dev librdmacm-dev libclang-dev pkg-config
   iproute2)
 
@@ -37,8 +48,12 @@ fi
 # whose kernel memory is damaged (docs/testbed.md), which no RDMA test can tell apart from a
 # lost message. bookworm-backports carries 10.0; only QEMU is taken from it.
 QEMU_MIN_MAJOR=10
+# Prints QEMU's major version, or nothing when there is no QEMU (never fails: under
+# `set -e -o pipefail` a missing binary would otherwise end the script here, silently).
 qemu_major() {
-  qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\)\..*/\1/p'
+  command -v qemu-system-x86_64 >/dev/null || return 0
+  qemu-system-x86_64 --version 2>/dev/null |
+    sed -n 's/^QEMU emulator version \([0-9]*\)\..*/\1/p' || true
 }
 found=$(qemu_major)
 if [ -z "$found" ] || [ "$found" -lt "$QEMU_MIN_MAJOR" ]; then
@@ -63,17 +78,17 @@ if [ -z "$found" ] || [ "$found" -lt "$QEMU_MIN_MAJOR" ]; then
   fi
 fi
 
-if ! command -v cargo >/dev/null; then
-  echo "error: cargo not found; install the Rust toolchain (https://rustup.rs) and retry" >&2
-  exit 1
-fi
-
 # vhost-device-vsock (crates.io) serves the test bed's vsock devices: the host kernel has no
 # vhost-vsock, and its UNIX socket speaks Cloud Hypervisor's hybrid vsock protocol (~3 min).
 VHOST_DEVICE_VSOCK_VERSION=0.3.0
 if ! command -v vhost-device-vsock >/dev/null; then
   echo "==> installing vhost-device-vsock $VHOST_DEVICE_VSOCK_VERSION (crates.io)"
   cargo install vhost-device-vsock --version "$VHOST_DEVICE_VSOCK_VERSION" --locked
+  if ! command -v vhost-device-vsock >/dev/null; then
+    echo "error: vhost-device-vsock was installed into ${CARGO_HOME:-$HOME/.cargo}/bin, which is" \
+      "not on PATH; add it to PATH (rustup's \$HOME/.cargo/env does) and retry" >&2
+    exit 1
+  fi
 fi
 
 echo "==> building (release)"

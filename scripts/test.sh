@@ -4,9 +4,16 @@
 # Installs what is missing first. Needs root (network namespaces, taps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+trap 'echo "error: scripts/test.sh stopped at line $LINENO: \"$BASH_COMMAND\" exited with status $?" >&2' ERR
 scripts/setup.sh
 
 echo "==> format and lints"
+for tool in rustfmt clippy; do
+  if ! cargo "${tool#rust}" --version >/dev/null 2>&1; then
+    echo "error: cargo ${tool#rust} is not installed; run: rustup component add $tool" >&2
+    exit 1
+  fi
+done
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 
