@@ -147,6 +147,13 @@ printf '%s\n' "Types: deb" "URIs: $mirror" "Suites: bookworm bookworm-updates" \
   >"$root/etc/apt/sources.list.d/debian.sources"
 rm -f "$root/etc/apt/sources.list"
 cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+# Every machine of this workplace trusts the CA its network's TLS goes through, installed
+# where a local administrator puts one. The root gets those (and nothing else of the host's
+# trust), so that its own ca-certificates, once setup.sh installs it, trusts them too.
+if [ -d /usr/local/share/ca-certificates ]; then
+  mkdir -p "$root/usr/local/share/ca-certificates"
+  cp -r /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+fi
 # No service starts inside the chroot (there is no init to own it).
 printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
 chmod 755 "$root/usr/sbin/policy-rc.d"
