@@ -54,6 +54,9 @@ use crate::vfio::{Sysfs, VfioFunction};
 /// How long a reservation holds when the config does not say.
 const DEFAULT_RESERVATION_S: u64 = 300;
 
+/// The longest reservation the config may ask for (a week): a move's deadlines are minutes.
+const MAX_RESERVATION_S: u64 = 7 * 24 * 3600;
+
 /// The `[pool]` table of the daemon's config file.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -142,6 +145,21 @@ pub enum Attachment {
     },
 }
 
+impl Attachment {
+    /// The device this plugs, as two functions must never share it: a VF's PCI address, an
+    /// emulated device's host backend (its `netdev`, or a passthrough `host`); `None` for an
+    /// emulated device with neither.
+    fn identity(&self) -> Option<String> {
+        match self {
+            Attachment::Vfio { pci } => Some(pci.to_ascii_lowercase()),
+            Attachment::Emulated { properties } => ["netdev", "host"].iter().find_map(|key| {
+                let value = properties.get(*key)?;
+                Some(format!("{key} {}", value.as_str().unwrap_or_default()))
+            }),
+        }
+    }
+}
+
 /// Where a function stands.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
@@ -206,6 +224,15 @@ pub enum PoolError {
         name: String,
         /// What is wrong.
         reason: String,
+    },
+    /// `reservation_s` is out of range.
+    #[error(
+        "pool reservation_s = {seconds}: a reservation must hold between 1 s and \
+         {MAX_RESERVATION_S} s"
+    )]
+    BadReservation {
+        /// The value given.
+        seconds: u64,
     },
     /// A function's device description does not parse.
     #[error("pool function {name:?}: bad device description")]
@@ -297,7 +324,16 @@ impl Pool {
     /// function new to the config is free; a saved state of a function no longer configured
     /// is dropped).
     pub fn open(config: &PoolConfig, state_file: &Path) -> Result<Pool, PoolError> {
+        let reservation_s = config.reservation_s.unwrap_or(DEFAULT_RESERVATION_S);
+        if !(1..=MAX_RESERVATION_S).contains(&reservation_s) {
+            return Err(PoolError::BadReservation {
+                seconds: reservation_s,
+            });
+        }
         let mut functions = BTreeMap::new();
+        // What each function plugs (its PCI address, or its emulated device's backend):
+        // two names for one device would let two moves have it at once.
+        let mut devices: BTreeMap<String, String> = BTreeMap::new();
         for f in &config.functions {
             let bad = |reason: &str| PoolError::BadFunction {
                 name: f.name.clone(),
@@ -328,9 +364,17 @@ impl Pool {
                 }
                 _ => return Err(bad("give exactly one of pci and device")),
             };
-            if functions.insert(f.name.clone(), attachment).is_some() {
+            if functions.contains_key(&f.name) {
                 return Err(bad("the name appears twice"));
             }
+            if let Some(device) = attachment.identity() {
+                if let Some(other) = devices.insert(device.clone(), f.name.clone()) {
+                    return Err(bad(&format!(
+                        "{device} is already function {other:?}: one device, one function"
+                    )));
+                }
+            }
+            functions.insert(f.name.clone(), attachment);
         }
         let saved: BTreeMap<String, FunctionState> = match std::fs::read(state_file) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| PoolError::State {
@@ -357,7 +401,7 @@ impl Pool {
         Ok(Pool {
             functions,
             states: Mutex::new(states),
-            reservation_ms: config.reservation_s.unwrap_or(DEFAULT_RESERVATION_S) * 1000,
+            reservation_ms: reservation_s * 1000,
             path: state_file.into(),
         })
     }
@@ -655,10 +699,12 @@ mod tests {
     fn an_expired_reservation_is_free_again() {
         let dir = tempfile::tempdir().unwrap();
         let mut config = config();
-        config.reservation_s = Some(0);
+        config.reservation_s = Some(1);
         config.functions.truncate(1);
         let pool = Pool::open(&config, &dir.path().join("pool.json")).unwrap();
         pool.reserve("m1").unwrap();
+        assert!(pool.reserve("m2").is_err());
+        std::thread::sleep(std::time::Duration::from_millis(1100));
         assert_eq!(pool.list()[0].state, FunctionState::Free);
         pool.reserve("m2").unwrap();
     }
@@ -678,6 +724,16 @@ mod tests {
                 "[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e\"\n[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e\"\n",
                 "appears twice",
             ),
+            (
+                "[[pool.function]]\nname = \"a\"\npci = \"0000:3b:00.2\"\n[[pool.function]]\nname = \"b\"\npci = \"0000:3B:00.2\"\n",
+                "0000:3b:00.2 is already function \"a\"",
+            ),
+            (
+                "[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e,netdev=nd1\"\n[[pool.function]]\nname = \"b\"\ndevice = \"driver=virtio-net-pci,netdev=nd1\"\n",
+                "netdev nd1 is already function \"a\"",
+            ),
+            ("[pool]\nreservation_s = 0\n", "between 1 s and"),
+            ("[pool]\nreservation_s = 18446744073709551\n", "between 1 s and"),
         ] {
             let config = toml::from_str::<Config>(text).unwrap().pool;
             let err = Pool::open(&config, &file).unwrap_err();
