@@ -62,6 +62,18 @@ pub struct RunningMove {
     pub recovering: bool,
 }
 
+/// A VM the daemon will not move: its unfinished move's journal cannot be read, so nobody
+/// knows how far that move got.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldVm {
+    /// The VM.
+    pub vm: String,
+    /// The damaged journal.
+    pub journal: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
 /// An ended move, as `rdmamig history` lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MoveSummary {
@@ -99,6 +111,9 @@ pub enum DaemonMessage {
         moves: Vec<RunningMove>,
         /// How many moves may run at once.
         limit: usize,
+        /// VMs held because their unfinished move's journal is damaged.
+        #[serde(default)]
+        held: Vec<HeldVm>,
     },
     /// The answer to [`ClientRequest::History`].
     History {

@@ -164,10 +164,10 @@ pub async fn query(
     match output {
         Output::Json => match &answer {
             DaemonMessage::Report { report } => println!("{}", to_json(report)),
-            DaemonMessage::Status { moves, limit } => {
+            DaemonMessage::Status { moves, limit, held } => {
                 println!(
                     "{}",
-                    to_json(&serde_json::json!({"moves": moves, "limit": limit}))
+                    to_json(&serde_json::json!({"moves": moves, "limit": limit, "held": held}))
                 );
             }
             DaemonMessage::History { moves } => println!("{}", to_json(moves)),
@@ -183,8 +183,17 @@ pub async fn query(
 pub fn render_answer(answer: &DaemonMessage) -> String {
     let mut text = String::new();
     match answer {
-        DaemonMessage::Status { moves, limit } => {
+        DaemonMessage::Status { moves, limit, held } => {
             let _ = writeln!(text, "{} moves running (limit {limit})", moves.len());
+            for h in held {
+                let _ = writeln!(
+                    text,
+                    "  HELD vm {}: its unfinished move's journal {} cannot be read ({}); check \
+                     the VM and its devices by hand, then move the journal aside and restart \
+                     the daemon",
+                    h.vm, h.journal, h.reason
+                );
+            }
             for m in moves {
                 let _ = writeln!(
                     text,

@@ -23,12 +23,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage, MoveSummary, RunningMove};
+use crate::api::{
+    ApiError, Channel, ClientRequest, DaemonMessage, HeldVm, MoveSummary, RunningMove,
+};
 use crate::journal::{self, Journal, JournalError};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
@@ -41,6 +44,13 @@ use crate::timeline::unix_ms;
 
 /// Time a client has to send its request after connecting.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Time one message to a client may take to write: a client that stops reading (a stopped
+/// terminal, `rdmamig migrate | less`) is dropped after it, and never holds up a move.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Events a move's client may fall behind by before it misses some.
+const CLIENT_BACKLOG: usize = 1024;
 
 /// How the daemon runs.
 #[derive(Clone)]
@@ -110,8 +120,8 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
-    /// The journals of unfinished moves could not be read.
-    #[error("cannot read the journals of unfinished moves")]
+    /// The journal directory could not be listed.
+    #[error("cannot list the move journals")]
     Journals(#[source] JournalError),
 }
 
@@ -120,6 +130,8 @@ struct Shared {
     config: DaemonConfig,
     /// Running moves by id.
     running: Mutex<HashMap<String, RunningMove>>,
+    /// VMs whose unfinished move's journal is damaged: never moved by this daemon.
+    held: Vec<HeldVm>,
     next_id: AtomicU64,
     metrics: Mutex<Metrics>,
 }
@@ -131,6 +143,14 @@ impl Shared {
 
     /// Registers a move of `vm` unless the VM is already moving or the limit is reached.
     fn admit(&self, vm: &str, recovering: bool) -> Result<String, String> {
+        if let Some(held) = self.held.iter().find(|h| h.vm == vm) {
+            return Err(format!(
+                "VM {vm} is held: its unfinished move's journal {} cannot be read ({}), so \
+                 how far that move got is unknown; check the VM and its devices by hand, then \
+                 move the journal aside and restart the daemon",
+                held.journal, held.reason
+            ));
+        }
         let mut running = lock(&self.running);
         if let Some(other) = running.values().find(|m| m.vm == vm) {
             return Err(format!(
@@ -256,8 +276,49 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
             source,
         })?
         .uid();
+    let journals = journal::scan(&config.state_dir.join("moves")).map_err(DaemonError::Journals)?;
+    for aside in &journals.set_aside {
+        let error = error_chain(&aside.error);
+        match &aside.to {
+            Ok(to) => tracing::warn!(
+                journal = %aside.from.display(),
+                set_aside = %to.display(),
+                "a journal that cannot be read was set aside ({}): {error}",
+                aside.over
+            ),
+            Err(e) => tracing::error!(
+                journal = %aside.from.display(),
+                "a journal that cannot be read ({}) could not be set aside ({e}): {error}",
+                aside.over
+            ),
+        }
+    }
+    let mut held = Vec::new();
+    for damaged in journals.damaged {
+        let reason = error_chain(&damaged.error);
+        match damaged.vm {
+            Some(vm) => {
+                tracing::error!(
+                    journal = %damaged.path.display(),
+                    %vm,
+                    "an unfinished move's journal cannot be read, so it is not recovered and \
+                     its VM is held: {reason}"
+                );
+                held.push(HeldVm {
+                    vm,
+                    journal: damaged.path.display().to_string(),
+                    reason,
+                });
+            }
+            None => tracing::error!(
+                journal = %damaged.path.display(),
+                "a journal cannot be read and was left in place: {reason}"
+            ),
+        }
+    }
     let shared = Arc::new(Shared {
         config,
+        held,
         running: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
         metrics: Mutex::new(Metrics::default()),
@@ -293,9 +354,8 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut clients = JoinSet::new();
-    let unfinished = journal::unfinished(&shared.moves_dir()).map_err(DaemonError::Journals)?;
     shared.prune();
-    for (path, replay) in unfinished {
+    for (path, replay) in journals.unfinished {
         let shared = shared.clone();
         shared.register_recovery(
             &replay.id,
@@ -306,19 +366,15 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         clients.spawn(async move {
             let id = replay.id.clone();
             let (events, received) = mpsc::unbounded_channel();
-            let report = match Journal::reopen(&path) {
+            match Journal::reopen(&path) {
                 Ok(journal) => {
                     let task = recover(replay, journal, shared.config.context.clone(), events);
-                    drive(&shared, &id, task, received, None).await
+                    drive::<UnixStream>(&shared, &id, task, received, None).await;
                 }
                 Err(e) => {
                     tracing::error!(move_id = %id, "{}", error_chain(&e));
                     lock(&shared.running).remove(&id);
-                    return;
                 }
-            };
-            if let Some(report) = report {
-                shared.finish(&report);
             }
         });
     }
@@ -380,8 +436,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-async fn reject(channel: &mut Channel<UnixStream>, reason: String) {
-    let _ = channel.send(&DaemonMessage::Rejected { reason }).await;
+async fn reject<S: AsyncRead + AsyncWrite + Unpin>(channel: &mut Channel<S>, reason: String) {
+    forward(channel, &DaemonMessage::Rejected { reason }).await;
 }
 
 async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
@@ -442,7 +498,8 @@ async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
             let mut moves: Vec<RunningMove> = lock(&shared.running).values().cloned().collect();
             moves.sort_by(|a, b| a.id.cmp(&b.id));
             let limit = shared.config.max_moves;
-            forward(&mut channel, &DaemonMessage::Status { moves, limit }).await;
+            let held = shared.held.clone();
+            forward(&mut channel, &DaemonMessage::Status { moves, limit, held }).await;
         }
         ClientRequest::History { limit } => {
             let moves = history(&shared.moves_dir(), limit);
@@ -550,7 +607,6 @@ async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Ar
     );
     let report = drive(&shared, &id, task, received, Some(&mut channel)).await;
     if let Some(report) = report {
-        shared.finish(&report);
         forward(
             &mut channel,
             &DaemonMessage::Report {
@@ -561,54 +617,88 @@ async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Ar
     }
 }
 
-/// Runs a move task to its end, tracking its phase and forwarding its events to a client
-/// while the client is there.
-async fn drive(
+/// Runs a move task to its end, tracking its phase, and records its end (report, metrics,
+/// the running list) the moment it ends, whatever its client does. Events are forwarded to
+/// the client while it keeps up: one that falls [`CLIENT_BACKLOG`] events behind misses the
+/// rest of them (it still gets the report), and one that stops reading for
+/// [`WRITE_TIMEOUT`] is dropped.
+async fn drive<S: AsyncRead + AsyncWrite + Unpin>(
     shared: &Shared,
     id: &str,
     task: impl std::future::Future<Output = MoveReport> + Send + 'static,
     mut received: mpsc::UnboundedReceiver<MoveEvent>,
-    mut client: Option<&mut Channel<UnixStream>>,
+    client: Option<&mut Channel<S>>,
 ) -> Option<MoveReport> {
     let task = tokio::spawn(task);
-    while let Some(event) = received.recv().await {
-        if let MoveEvent::PhaseStarted { phase, .. } = &event {
-            shared.set_phase(id, *phase);
+    let (to_client, mut for_client) = mpsc::channel(CLIENT_BACKLOG);
+    let track = async move {
+        let mut lagging = false;
+        while let Some(event) = received.recv().await {
+            if let MoveEvent::PhaseStarted { phase, .. } = &event {
+                shared.set_phase(id, *phase);
+            }
+            if to_client.try_send(event).is_err() && !lagging && !to_client.is_closed() {
+                lagging = true;
+                tracing::warn!(move_id = %id, "the client is not keeping up; it misses events");
+            }
         }
-        if let Some(channel) = client.as_deref_mut() {
+        drop(to_client);
+        match task.await {
+            Ok(report) => {
+                shared.finish(&report);
+                Some(report)
+            }
+            Err(e) => {
+                tracing::error!(move_id = %id, "the move task ended abnormally: {e}");
+                lock(&shared.running).remove(id);
+                None
+            }
+        }
+    };
+    let forwarding = async move {
+        let channel = client?;
+        while let Some(event) = for_client.recv().await {
             if !forward(channel, &DaemonMessage::Event { event }).await {
-                client = None;
+                return None;
             }
         }
-    }
-    match task.await {
-        Ok(report) => Some(report),
-        Err(e) => {
-            tracing::error!(move_id = %id, "the move task ended abnormally: {e}");
-            lock(&shared.running).remove(id);
-            if let Some(channel) = client {
-                let reason = format!("internal error: the move task ended abnormally: {e}");
-                reject(channel, reason).await;
-            }
-            None
+        Some(channel)
+    };
+    let (report, client) = tokio::join!(track, forwarding);
+    if report.is_none() {
+        if let Some(channel) = client {
+            let reason = "internal error: the move task ended abnormally".to_string();
+            reject(channel, reason).await;
         }
     }
+    report
 }
 
-/// Sends one message; returns whether the client is still there.
-async fn forward(channel: &mut Channel<UnixStream>, message: &DaemonMessage) -> bool {
-    match channel.send(message).await {
-        Ok(()) => true,
-        Err(e @ ApiError::TooLarge { .. }) => {
+/// Sends one message within [`WRITE_TIMEOUT`]; returns whether the client is still there.
+async fn forward<S: AsyncRead + AsyncWrite + Unpin>(
+    channel: &mut Channel<S>,
+    message: &DaemonMessage,
+) -> bool {
+    match tokio::time::timeout(WRITE_TIMEOUT, channel.send(message)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e @ ApiError::TooLarge { .. })) => {
             tracing::error!("{}", error_chain(&e));
             let reason = format!("the daemon could not send its answer: {e}");
-            channel
-                .send(&DaemonMessage::Rejected { reason })
-                .await
-                .is_ok()
+            let rejected = DaemonMessage::Rejected { reason };
+            matches!(
+                tokio::time::timeout(WRITE_TIMEOUT, channel.send(&rejected)).await,
+                Ok(Ok(()))
+            )
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             tracing::info!("client gone ({}); the move goes on", error_chain(&e));
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                "a client stopped reading for {} s; it is dropped (a move goes on)",
+                WRITE_TIMEOUT.as_secs()
+            );
             false
         }
     }
@@ -638,5 +728,61 @@ async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
             );
             let _ = stream.write_all(response.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fakes::{FakeBackends, FakeHost};
+    use crate::plan::tests::plan;
+    use crate::pool::{Pool, PoolConfig};
+
+    fn shared(dir: &Path) -> Shared {
+        let pool = Pool::open(&PoolConfig::default(), &dir.join("pool.json")).unwrap();
+        Shared {
+            config: DaemonConfig {
+                socket: dir.join("daemon.sock"),
+                state_dir: dir.into(),
+                max_moves: 4,
+                context: MoveContext {
+                    backends: Arc::new(FakeBackends(FakeHost::new())),
+                    pool: Arc::new(pool),
+                    peers: None,
+                    boundary: None,
+                },
+                metrics: None,
+                peer_listen: None,
+                retention: Retention::default(),
+            },
+            held: Vec::new(),
+            running: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            metrics: Mutex::new(Metrics::default()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_never_holds_up_the_end_of_its_move() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        // The client's end takes 16 bytes and is never read: the first event blocks.
+        let (daemon_end, _client_end) = tokio::io::duplex(16);
+        let mut channel = Channel::new(daemon_end);
+        let id = shared.admit("vm1", false).unwrap();
+        let journal = Journal::create(&shared.moves_dir(), &id, &plan()).unwrap();
+        let (events, received) = mpsc::unbounded_channel();
+        let context = shared.config.context.clone();
+        let task = run_move(id.clone(), plan(), journal, context, events);
+        let driven = drive(&shared, &id, task, received, Some(&mut channel));
+        let report = tokio::time::timeout(WRITE_TIMEOUT * 3, driven)
+            .await
+            .expect("the move's end waited for a client that does not read")
+            .unwrap();
+        assert!(report.ok, "{report:#?}");
+        // Recorded as ended: not running, its report stored, the VM free to move again.
+        assert!(lock(&shared.running).is_empty());
+        assert!(shared.moves_dir().join(format!("{id}.json")).exists());
+        assert!(shared.admit("vm1", false).is_ok());
     }
 }

@@ -2,7 +2,8 @@
 //! inspectable state, each operation able to fail on cue.
 //!
 //! The fakes model what the mover relies on, as QEMU and the agent behave on the test bed: a
-//! device the guest holds stays after a failed unplug; a completed migration leaves the
+//! device the guest holds stays after a failed unplug, its removal pending until the holder
+//! lets go (never, unless a test says when); a completed migration leaves the
 //! source `postmigrate` and the destination running the guest; a cancelled one leaves the
 //! source running; the guest's agent answers wherever the guest runs.
 
@@ -62,6 +63,11 @@ pub struct HostState {
     pub resumed_on: Vec<Where>,
     pub calls: Vec<String>,
     pub faults: HashMap<&'static str, Fault>,
+    /// The source device whose unplug timed out and is still pending in the guest.
+    pub unplug_pending: Option<String>,
+    /// After how many more checks of the source's devices the process holding the device
+    /// lets go, so that its pending unplug completes; `None`: it never does.
+    pub holder_lets_go_after: Option<usize>,
 }
 
 /// A handle on the fake host; clones share it.
@@ -83,6 +89,8 @@ impl FakeHost {
             resumed_on: Vec::new(),
             calls: Vec::new(),
             faults: HashMap::new(),
+            unplug_pending: None,
+            holder_lets_go_after: None,
         })))
     }
 
@@ -159,13 +167,20 @@ impl Vmm for FakeVmm {
             .host
             .call(self.op("src.remove_device", "dst.remove_device"));
         match fault {
-            Some(Fault::Timeout) => Err(VmmError::DeviceNotReleased {
-                device: id.into(),
-                deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
-            }),
+            Some(Fault::Timeout) => {
+                if self.side == Where::Source {
+                    self.host.state().unplug_pending = Some(id.into());
+                }
+                Err(VmmError::DeviceNotReleased {
+                    device: id.into(),
+                    deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+                })
+            }
             Some(_) => Err(refused("remove device")),
             None => {
-                self.host.state().source_devices.remove(id);
+                let mut state = self.host.state();
+                state.source_devices.remove(id);
+                state.unplug_pending = None;
                 Ok(())
             }
         }
@@ -302,7 +317,17 @@ impl Vmm for FakeVmm {
 
     async fn has_device(&self, id: &str) -> Result<bool, VmmError> {
         self.check_alive("has device")?;
-        let state = self.host.state();
+        let mut state = self.host.state();
+        if self.side == Where::Source && state.unplug_pending.as_deref() == Some(id) {
+            match state.holder_lets_go_after {
+                Some(0) => {
+                    state.source_devices.remove(id);
+                    state.unplug_pending = None;
+                }
+                Some(checks) => state.holder_lets_go_after = Some(checks - 1),
+                None => {}
+            }
+        }
         Ok(match self.side {
             Where::Source => state.source_devices.contains(id),
             Where::Destination => state.destination_devices.contains(id),

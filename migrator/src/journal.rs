@@ -8,6 +8,12 @@
 //!
 //! A torn last line (the kill came during a write) is ignored: the step it announced never
 //! acted, because acting waits for the fsync.
+//!
+//! A journal exists only once its `begin` record is on disk: it is written under a
+//! temporary name and linked into place, so a full disk leaves nothing behind. At start-up a
+//! journal that cannot be read never stops the daemon ([`scan`]): one whose move had ended,
+//! or never acted, is set aside (renamed `*.damaged`); one whose move may be half done is
+//! reported, and its VM is kept from moving until an operator looks.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -50,6 +56,9 @@ pub enum Record {
         /// The strategy and why.
         choice: Choice,
     },
+    /// The source VMM is about to be asked to unplug the detached device: from here the
+    /// guest may remove it at any time, and a rollback must wait for that before plugging.
+    Unplugging,
     /// The migration completed: the VM now runs on the destination.
     Migrated,
     /// A function was reserved in the destination's pool for this move.
@@ -121,7 +130,8 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Creates `dir/<id>.journal` with its `begin` record, durably.
+    /// Creates `dir/<id>.journal` with its `begin` record, durably; refuses an id that has a
+    /// journal already. On any failure nothing is left behind.
     pub fn create(dir: &Path, id: &str, plan: &MovePlan) -> Result<Journal, JournalError> {
         let path = dir.join(format!("{id}.journal"));
         let create = |source| JournalError::Create {
@@ -129,19 +139,38 @@ impl Journal {
             source,
         };
         std::fs::create_dir_all(dir).map_err(create)?;
-        let file = OpenOptions::new()
-            .append(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(create)?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(create)?;
-        let mut journal = Journal { path, file };
-        journal.append(&Record::Begin {
+        let begin = Record::Begin {
             id: id.into(),
             plan: Box::new(plan.clone()),
             unix_ms: crate::timeline::unix_ms(),
-        })?;
-        Ok(journal)
+        };
+        let mut line = serde_json::to_vec(&begin).map_err(|e| create(std::io::Error::other(e)))?;
+        line.push(b'\n');
+        let temporary = dir.join(format!(".{id}.journal.new"));
+        let written = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&temporary)
+            .and_then(|mut file| {
+                file.write_all(&line)?;
+                file.sync_all()
+            })
+            // A hard link fails if the journal exists: never two moves in one journal.
+            .and_then(|()| std::fs::hard_link(&temporary, &path));
+        let _ = std::fs::remove_file(&temporary);
+        written.map_err(create)?;
+        let opened = OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .and_then(|file| File::open(dir).and_then(|d| d.sync_all()).map(|()| file));
+        match opened {
+            Ok(file) => Ok(Journal { path, file }),
+            Err(source) => {
+                let _ = std::fs::remove_file(&path);
+                Err(create(source))
+            }
+        }
     }
 
     /// Reopens an existing journal to go on appending (recovery), cutting a torn last line
@@ -229,6 +258,11 @@ impl Replay {
         })
     }
 
+    /// Whether the source VMM was (about to be) asked to unplug the device.
+    pub fn unplugging(&self) -> bool {
+        self.records.iter().any(|r| matches!(r, Record::Unplugging))
+    }
+
     /// Whether the migration was journaled as completed.
     pub fn migrated(&self) -> bool {
         self.records.iter().any(|r| matches!(r, Record::Migrated))
@@ -273,9 +307,9 @@ impl Replay {
     }
 }
 
-/// Reads one journal. A torn last line is dropped.
+/// Reads one journal. A torn last line is dropped, even one cut inside a character.
 pub fn read(path: &Path) -> Result<Replay, JournalError> {
-    let text = std::fs::read_to_string(path).map_err(|source| JournalError::Read {
+    let bytes = std::fs::read(path).map_err(|source| JournalError::Read {
         path: path.into(),
         source,
     })?;
@@ -284,14 +318,17 @@ pub fn read(path: &Path) -> Result<Replay, JournalError> {
         line,
         reason,
     };
-    let complete = match text.rfind('\n') {
-        Some(end) => &text[..end],
-        None => "",
-    };
+    let complete = bytes
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |end| end + 1);
     let mut records = Vec::new();
-    for (index, line) in complete.lines().enumerate() {
+    for (index, line) in bytes[..complete]
+        .split_inclusive(|b| *b == b'\n')
+        .enumerate()
+    {
         let record: Record =
-            serde_json::from_str(line).map_err(|e| corrupt(index + 1, e.to_string()))?;
+            serde_json::from_slice(line).map_err(|e| corrupt(index + 1, e.to_string()))?;
         records.push(record);
     }
     let mut records = records.into_iter();
@@ -306,11 +343,49 @@ pub fn read(path: &Path) -> Result<Replay, JournalError> {
     }
 }
 
-/// Every journal in `dir` whose move has not ended, oldest first.
-pub fn unfinished(dir: &Path) -> Result<Vec<(PathBuf, Replay)>, JournalError> {
+/// What [`scan`] found in a journal directory.
+#[derive(Debug, Default)]
+pub struct Scan {
+    /// Moves that have not ended, oldest first: to finish or roll back.
+    pub unfinished: Vec<(PathBuf, Replay)>,
+    /// Journals that could not be read and whose move is over (it ended, it has a report,
+    /// or it never acted): renamed out of the way, so they are never read again.
+    pub set_aside: Vec<SetAside>,
+    /// Journals that could not be read and whose move may be half done: left in place for
+    /// an operator, never recovered automatically.
+    pub damaged: Vec<Damaged>,
+}
+
+/// A journal [`scan`] renamed out of the way.
+#[derive(Debug)]
+pub struct SetAside {
+    /// Where it was.
+    pub from: PathBuf,
+    /// Where it is now, or why the rename failed too.
+    pub to: Result<PathBuf, std::io::Error>,
+    /// What is wrong with it.
+    pub error: JournalError,
+    /// Why its move is over.
+    pub over: &'static str,
+}
+
+/// A journal of a move that may be half done and that cannot be read.
+#[derive(Debug)]
+pub struct Damaged {
+    /// The journal.
+    pub path: PathBuf,
+    /// The VM, when the `begin` record could still be read.
+    pub vm: Option<String>,
+    /// What is wrong with it.
+    pub error: JournalError,
+}
+
+/// Sorts the journals in `dir`: moves to recover, journals set aside, damaged journals.
+/// Only a directory that cannot be listed is an error.
+pub fn scan(dir: &Path) -> Result<Scan, JournalError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Scan::default()),
         Err(source) => {
             return Err(JournalError::Read {
                 path: dir.into(),
@@ -324,14 +399,71 @@ pub fn unfinished(dir: &Path) -> Result<Vec<(PathBuf, Replay)>, JournalError> {
         .filter(|p| p.extension().is_some_and(|e| e == "journal"))
         .collect();
     paths.sort();
-    let mut open = Vec::new();
+    let mut scan = Scan::default();
     for path in paths {
-        let replay = read(&path)?;
-        if replay.ended().is_none() {
-            open.push((path, replay));
+        let error = match read(&path) {
+            Ok(replay) if replay.ended().is_none() => {
+                scan.unfinished.push((path, replay));
+                continue;
+            }
+            Ok(_) => continue,
+            Err(error) => error,
+        };
+        let salvage = salvage(&path);
+        let report = path.with_extension("json");
+        let over = if salvage.ended {
+            Some("its move had ended")
+        } else if report.exists() {
+            Some("its move has a report")
+        } else if salvage.vm.is_none() {
+            Some("it has no complete begin record, so its move never acted")
+        } else {
+            None
+        };
+        match over {
+            Some(over) => {
+                let mut to = path.clone().into_os_string();
+                to.push(format!(".{}.damaged", crate::timeline::unix_ms()));
+                let to = PathBuf::from(to);
+                let renamed = std::fs::rename(&path, &to).map(|()| to);
+                scan.set_aside.push(SetAside {
+                    from: path,
+                    to: renamed,
+                    error,
+                    over,
+                });
+            }
+            None => scan.damaged.push(Damaged {
+                path,
+                vm: salvage.vm,
+                error,
+            }),
         }
     }
-    Ok(open)
+    Ok(scan)
+}
+
+/// What can still be read from a damaged journal, line by line.
+struct Salvage {
+    /// The VM of a readable `begin` record.
+    vm: Option<String>,
+    /// Whether a readable `end` record is there.
+    ended: bool,
+}
+
+fn salvage(path: &Path) -> Salvage {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    let records: Vec<Record> = bytes
+        .split(|b| *b == b'\n')
+        .filter_map(|line| serde_json::from_slice(line).ok())
+        .collect();
+    Salvage {
+        vm: match records.first() {
+            Some(Record::Begin { plan, .. }) => Some(plan.vm.clone()),
+            _ => None,
+        },
+        ended: records.iter().any(|r| matches!(r, Record::End { .. })),
+    }
 }
 
 #[cfg(test)]
@@ -369,7 +501,7 @@ mod tests {
         assert_eq!(replay.last_phase(), Some(Phase::Migrate));
         assert!(replay.migrated());
         assert_eq!(replay.ended(), None);
-        assert_eq!(unfinished(dir.path()).unwrap().len(), 1);
+        assert_eq!(scan(dir.path()).unwrap().unfinished.len(), 1);
 
         let mut journal = Journal::reopen(&path).unwrap();
         journal.append(&Record::End { phase: Phase::Done }).unwrap();
@@ -379,7 +511,7 @@ mod tests {
     }
 
     #[test]
-    fn an_ended_move_is_not_unfinished_and_corruption_is_named() {
+    fn an_ended_move_is_not_unfinished_and_an_id_is_journaled_once() {
         let dir = tempfile::tempdir().unwrap();
         let mut journal = Journal::create(dir.path(), "m2", &plan()).unwrap();
         journal
@@ -387,18 +519,122 @@ mod tests {
                 phase: Phase::RolledBack,
             })
             .unwrap();
-        assert!(unfinished(dir.path()).unwrap().is_empty());
+        let found = scan(dir.path()).unwrap();
+        assert!(found.unfinished.is_empty() && found.set_aside.is_empty());
         assert!(Journal::create(dir.path(), "m2", &plan()).is_err());
+        assert_eq!(
+            read(&dir.path().join("m2.journal")).unwrap().records.len(),
+            1
+        );
+        assert!(scan(&dir.path().join("absent"))
+            .unwrap()
+            .unfinished
+            .is_empty());
+    }
+
+    #[test]
+    fn a_journal_that_cannot_be_written_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory where the journal's temporary file would go: the write fails, as on
+        // a full disk, after the create.
+        std::fs::create_dir(dir.path().join(".m3.journal.new")).unwrap();
+        assert!(Journal::create(dir.path(), "m3", &plan()).is_err());
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n != ".m3.journal.new")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn a_torn_tail_inside_a_character_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut named = plan();
+        named.vm = "vm\u{e9}".into();
+        let journal = Journal::create(dir.path(), "m4", &named).unwrap();
+        let path = journal.path().to_path_buf();
+        drop(journal);
+        let line = serde_json::to_vec(&Record::Begin {
+            id: "x".into(),
+            plan: Box::new(named.clone()),
+            unix_ms: 1,
+        })
+        .unwrap();
+        let cut = line.iter().position(|b| *b == 0xc3).unwrap() + 1;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        file.write_all(&line[..cut]).unwrap();
+        let replay = read(&path).unwrap();
+        assert_eq!(replay.plan.vm, "vm\u{e9}");
+        assert_eq!(scan(dir.path()).unwrap().unfinished.len(), 1);
+    }
+
+    #[test]
+    fn bad_journals_are_set_aside_or_reported_never_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let moves = dir.path();
+        // Over: empty (a create cut short by an old migrator), a begin cut mid-line, a
+        // corrupt line before an end, and a corrupt journal whose move has a report.
+        std::fs::write(moves.join("empty.journal"), "").unwrap();
+        let begin = serde_json::to_string(&Record::Begin {
+            id: "x".into(),
+            plan: Box::new(plan()),
+            unix_ms: 1,
+        })
+        .unwrap();
+        std::fs::write(moves.join("cut.journal"), &begin[..begin.len() / 2]).unwrap();
+        let end = serde_json::to_string(&Record::End { phase: Phase::Done }).unwrap();
         std::fs::write(
-            dir.path().join("bad.journal"),
-            "{\"record\":\"migrated\"}\n",
+            moves.join("ended.journal"),
+            format!("{begin}\nnot a record\n{end}\n"),
         )
         .unwrap();
-        let err = unfinished(dir.path()).unwrap_err();
-        assert!(
-            err.to_string().contains("bad.journal is corrupt at line 1"),
-            "{err}"
+        std::fs::write(moves.join("reported.journal"), format!("{begin}\n{{\n")).unwrap();
+        std::fs::write(moves.join("reported.json"), "{}").unwrap();
+        // Maybe half done: a readable begin, then a line that is not a record, no end.
+        std::fs::write(moves.join("half.journal"), format!("{begin}\n{{bad\n")).unwrap();
+        // Fine, and unfinished.
+        Journal::create(moves, "open", &plan()).unwrap();
+
+        let found = scan(moves).unwrap();
+        assert_eq!(found.unfinished.len(), 1);
+        assert_eq!(found.unfinished[0].1.id, "open");
+        let mut aside: Vec<String> = found
+            .set_aside
+            .iter()
+            .map(|a| a.from.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        aside.sort();
+        assert_eq!(
+            aside,
+            [
+                "cut.journal",
+                "empty.journal",
+                "ended.journal",
+                "reported.journal"
+            ]
         );
-        assert!(unfinished(&dir.path().join("absent")).unwrap().is_empty());
+        for a in &found.set_aside {
+            let to = a.to.as_ref().unwrap();
+            assert!(to.exists() && !a.from.exists(), "{a:?}");
+            assert!(to.to_string_lossy().ends_with(".damaged"), "{a:?}");
+        }
+        assert_eq!(found.damaged.len(), 1);
+        assert_eq!(found.damaged[0].vm.as_deref(), Some("vm1"));
+        assert!(
+            found.damaged[0]
+                .error
+                .to_string()
+                .contains("half.journal is corrupt at line 2"),
+            "{}",
+            found.damaged[0].error
+        );
+        // Set aside once: the next scan finds only what is left.
+        let again = scan(moves).unwrap();
+        assert!(again.set_aside.is_empty());
+        assert_eq!(again.damaged.len(), 1);
     }
 }

@@ -68,6 +68,9 @@ const RELEASE_GRACE: Duration = Duration::from_millis(1000);
 /// How often a rollback polls the source while a cancelled migration winds down.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
 
+/// How often a rollback polls the source while the guest finishes a pending unplug.
+const REMOVAL_POLL: Duration = Duration::from_millis(100);
+
 /// How the mover reaches VMMs and guest agents.
 #[async_trait]
 pub trait Backends: Send + Sync {
@@ -290,6 +293,19 @@ pub enum StepError {
     /// The phase as a whole ran past its deadline (a call inside ignored its own).
     #[error("a step did not return in time")]
     Stalled,
+    /// The guest had not finished an unplug it was asked for, so the device could not be
+    /// plugged again; the VM loses it whenever the guest does finish.
+    #[error(
+        "the guest has not finished removing device {device} after {waited_ms} ms (a process \
+         in the guest still holds it): the VM keeps the device until the guest lets it go, \
+         and then has none; plug it again once the VMM no longer lists it"
+    )]
+    RemovalPending {
+        /// The device.
+        device: String,
+        /// How long the rollback waited.
+        waited_ms: u64,
+    },
     /// The migrator was restarted while the phase ran.
     #[error("the migrator was restarted during {phase}")]
     Interrupted {
@@ -303,7 +319,7 @@ impl StepError {
         match self {
             StepError::Vmm(e) => e.is_timeout(),
             StepError::Agent(e) => e.is_timeout(),
-            StepError::Stalled => true,
+            StepError::Stalled | StepError::RemovalPending { .. } => true,
             StepError::Peer(e) => e.is_timeout(),
             StepError::Journal(_)
             | StepError::Strategy(_)
@@ -423,6 +439,7 @@ pub async fn recover(
     mover.recovered_from = Some(last.unwrap_or(Phase::Prepare));
     mover.reached = last.unwrap_or(Phase::Prepare);
     mover.migrated = replay.migrated();
+    mover.unplugging = replay.unplugging();
     mover.phase = mover.reached;
     let result = match (replay.rolling_back(), last) {
         (Some(reason), _) => {
@@ -476,6 +493,9 @@ struct Mover {
     reached: Phase,
     /// Whether the migration completed.
     migrated: bool,
+    /// Whether the source VMM was asked to unplug the device (journaled first): an unplug
+    /// the guest may still finish.
+    unplugging: bool,
     source: Option<Arc<dyn Vmm>>,
     /// The destination end, resolved on first use (a recovering migrator resolves afresh).
     destination: Option<Arc<dyn DestinationHost>>,
@@ -521,6 +541,7 @@ impl Mover {
             phase: Phase::Prepare,
             reached: Phase::Prepare,
             migrated: false,
+            unplugging: false,
             source: None,
             destination: None,
             agent: None,
@@ -718,10 +739,7 @@ impl Mover {
             deadline_ms: millis(deadline),
         });
         let mut steps = Vec::new();
-        let result = match tokio::time::timeout(deadline, self.undo(&mut steps)).await {
-            Ok(result) => result,
-            Err(_) => Err(StepError::Stalled),
-        };
+        let result = self.undo(&mut steps, deadline).await;
         let mut details = Map::new();
         details.insert("failed_phase".into(), failed.name().into());
         details.insert(
@@ -754,9 +772,22 @@ impl Mover {
     /// Puts the VM back on the source as it was before the move, step by step from how far
     /// the move got; every step first checks whether it is still needed (a restarted
     /// migrator may repeat it).
-    async fn undo(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
-        let reached = self.reached;
-        if reached >= Phase::Migrate {
+    ///
+    /// Undoing the migration, and plugging and resuming on the source, each have `deadline`.
+    /// Between them, waiting for an unplug the guest has not finished has a bound of its own
+    /// (`deadline` again): a slow removal must not eat the time the resume needs.
+    async fn undo(&mut self, steps: &mut Vec<String>, deadline: Duration) -> Result<(), StepError> {
+        within(deadline, self.undo_migration(steps)).await?;
+        if self.unplugging {
+            self.await_pending_removal(steps, deadline).await?;
+        }
+        within(deadline, self.undo_on_source(steps)).await
+    }
+
+    /// Brings the VM back to the source VMM if the migration started: cancels it or, if it
+    /// completed, discards the destination's copy and runs the source again.
+    async fn undo_migration(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
+        if self.reached >= Phase::Migrate {
             let source = self.source_vmm().await?;
             if !self.migrated {
                 let cancelled = match source.cancel_migration().await {
@@ -824,17 +855,59 @@ impl Mover {
             }
             self.location = VmLocation::Source;
         }
+        Ok(())
+    }
+
+    /// Waits, up to `bound`, until the source no longer lists the detached device.
+    ///
+    /// A device_del cannot be taken back: a guest whose process held the device finishes
+    /// the removal it was asked for once the process lets go, however late. Plugging
+    /// nothing because the device is "still there" would leave the VM without its NIC then;
+    /// so the rollback waits for the removal to end, and only then plugs the function again.
+    async fn await_pending_removal(
+        &mut self,
+        steps: &mut Vec<String>,
+        bound: Duration,
+    ) -> Result<(), StepError> {
+        let source = self.source_vmm().await?;
+        let device = self.plan.detach.clone();
+        let start = Instant::now();
+        if !within(bound, source.has_device(&device)).await? {
+            return Ok(());
+        }
+        self.warn(format!(
+            "device {device} is still on the source, its unplug pending in the guest: waiting \
+             up to {} ms for the guest to finish removing it before plugging it again",
+            millis(bound)
+        ));
+        loop {
+            tokio::time::sleep(REMOVAL_POLL).await;
+            let left = bound.saturating_sub(start.elapsed());
+            let gone = !left.is_zero() && !within(left, source.has_device(&device)).await?;
+            if gone {
+                steps.push(format!(
+                    "waited {} ms for the guest to finish removing device {device}",
+                    millis(start.elapsed())
+                ));
+                return Ok(());
+            }
+            if left.is_zero() {
+                return Err(StepError::RemovalPending {
+                    device,
+                    waited_ms: millis(start.elapsed()),
+                });
+            }
+        }
+    }
+
+    /// Plugs the device back on the source, resumes the connections there, and gives back
+    /// the destination's function.
+    async fn undo_on_source(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
+        let reached = self.reached;
         if reached >= Phase::Detach && self.strategy != Strategy::VfioMigrate {
             let source = self.source_vmm().await?;
             let spec = self.plan.reattach_spec().clone();
-            if source.has_device(&self.plan.detach).await? {
-                let message = format!(
-                    "device {} is still on the source; the guest may still be releasing it",
-                    self.plan.detach
-                );
-                self.warn(message.clone());
-                steps.push(message);
-            } else if source.has_device(spec.id()).await? {
+            if source.has_device(spec.id()).await? {
                 steps.push(format!("device {} already back on the source", spec.id()));
             } else {
                 source.add_device(&spec).await?;
@@ -1090,6 +1163,8 @@ impl Mover {
         let source = self.source_vmm().await?;
         let mut details = Map::new();
         let mut outcome = PhaseOutcome::Ok;
+        self.journal.append(&Record::Unplugging)?;
+        self.unplugging = true;
         match source.remove_device(&self.plan.detach, deadline).await {
             Ok(()) => {}
             Err(e) if e.is_timeout() && self.plan.force_release => {
@@ -1446,6 +1521,17 @@ pub(crate) async fn open_agent(
     }
 }
 
+/// Runs `step` under `deadline`; a step still running then is [`StepError::Stalled`].
+async fn within<T, E: Into<StepError>>(
+    deadline: Duration,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, StepError> {
+    match tokio::time::timeout(deadline, step).await {
+        Ok(result) => result.map_err(Into::into),
+        Err(_) => Err(StepError::Stalled),
+    }
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -1642,15 +1728,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_held_device_context_forces_a_rollback_at_detach() {
+    async fn a_held_device_context_rolls_back_after_the_pending_unplug_completes() {
         let bed = Bed::new();
         bed.host.fail("src.remove_device", Fault::Timeout);
+        // The holder lets go a few checks into the rollback: the guest then finishes the
+        // unplug it was asked for, and the VM would have no NIC if nothing were plugged.
+        bed.host.state().holder_lets_go_after = Some(3);
         let report = bed.run(plan()).await;
         assert_back_on_source(&bed, &report, true);
         assert_eq!(report.failed_phase, Some(Phase::Detach));
         assert_eq!(report.forced[0].phase, Phase::Detach);
-        // The device never left: nothing is plugged a second time.
-        assert_eq!(bed.host.state().source_devices, ["nic0".to_string()].into());
+        let state = bed.host.state();
+        assert_eq!(state.unplug_pending, None);
+        assert!(state.source_devices.contains(plan().reattach_spec().id()));
+        let calls = &state.calls;
+        let added = calls.iter().position(|c| c == "src.add_device").unwrap();
+        let resumed = calls.iter().rposition(|c| c == "agent.resume").unwrap();
+        assert!(added < resumed, "{calls:?}");
+        let steps = &report.timeline.phases.last().unwrap().details["steps"];
+        let steps: Vec<&str> = steps
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| s.as_str())
+            .collect();
+        assert!(
+            steps[0].starts_with("waited ") && steps[0].contains("removing device nic0"),
+            "{steps:?}"
+        );
+        assert!(steps[1].contains("re-attached on the source"), "{steps:?}");
+    }
+
+    #[tokio::test]
+    async fn a_device_the_guest_never_lets_go_fails_the_rollback_and_says_so() {
+        let bed = Bed::new();
+        bed.host.fail("src.remove_device", Fault::Timeout);
+        let mut plan = plan();
+        plan.deadlines.set("rollback=300").unwrap();
+        let report = bed.run(plan).await;
+        assert_eq!(report.final_phase, Phase::Failed, "{report:#?}");
+        let error = report.rollback_error.as_deref().unwrap();
+        assert!(
+            error.contains("has not finished removing device nic0 after")
+                && error.contains("then has none"),
+            "{error}"
+        );
+        // Nothing was plugged beside the device whose removal is pending.
         assert!(!bed.calls().contains(&"src.add_device".to_string()));
     }
 
@@ -1686,6 +1809,8 @@ mod tests {
         bed.host.fail("agent.release_device", Fault::Timeout);
         let mut plan = plan();
         plan.force_release = true;
+        // The holder ends on its own a little later; the rollback waits for the removal.
+        bed.host.state().holder_lets_go_after = Some(2);
         let report = bed.run(plan).await;
         assert_back_on_source(&bed, &report, true);
         assert_eq!(report.failed_phase, Some(Phase::Detach));
@@ -1801,7 +1926,7 @@ mod tests {
         let context = bed.context(Some(hook));
         let killed = tokio::spawn(run_move("m".into(), plan, journal, context, events)).await;
         assert!(killed.is_err(), "the move was not killed at {crash_at}");
-        let open = journal::unfinished(bed.dir.path()).unwrap();
+        let open = journal::scan(bed.dir.path()).unwrap().unfinished;
         assert_eq!(open.len(), 1);
         let (path, replay) = open.into_iter().next().unwrap();
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
@@ -1812,7 +1937,7 @@ mod tests {
             events,
         )
         .await;
-        assert!(journal::unfinished(bed.dir.path()).unwrap().is_empty());
+        assert!(journal::scan(bed.dir.path()).unwrap().unfinished.is_empty());
         report
     }
 

@@ -1033,7 +1033,8 @@ mod tests {
             let killed = tokio::spawn(run_move("m1".into(), plan, journal, context, events)).await;
             assert!(killed.is_err(), "the move was not killed at {crash_at}");
             // The restarted daemon has only its config and the journal.
-            let (path, replay) = crate::journal::unfinished(dir.path())
+            let (path, replay) = crate::journal::scan(dir.path())
+                .map(|scan| scan.unfinished)
                 .unwrap()
                 .into_iter()
                 .next()
