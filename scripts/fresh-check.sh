@@ -57,6 +57,9 @@ mark() { printf '==> [fresh-check %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 # --- inside the private namespaces: mount, chroot, run one README command ------------------
 if [ "${1:-}" = demo ] || [ "${1:-}" = tests ]; then
   what=$1 toolchain=$2 shared=$3
+  # The root must be a mount point of its own, as / is on a machine: `ip netns exec` makes
+  # "/" a slave mount, which fails on a plain directory.
+  mount --bind "$root" "$root"
   mount -t proc proc "$root/proc"
   mount --rbind /sys "$root/sys"
   mount --rbind /dev "$root/dev"
