@@ -33,6 +33,7 @@ use crate::api::{
     ApiError, Channel, ClientRequest, DaemonMessage, HeldVm, MoveSummary, RunningMove,
 };
 use crate::journal::{self, Journal, JournalError};
+use crate::listen::{Admission, API_CONNECTIONS, METRICS_CONNECTIONS};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
@@ -81,21 +82,19 @@ pub enum DaemonError {
         /// The socket.
         socket: PathBuf,
     },
+    /// The socket path holds something that is not a socket, which the daemon will not
+    /// remove.
+    #[error("{socket} exists and is not a socket; give --socket a path of its own")]
+    NotASocket {
+        /// The path.
+        socket: PathBuf,
+    },
     /// The socket could not be created, restricted or put in place.
     #[error("cannot create the daemon socket {socket}")]
     Bind {
         /// The socket.
         socket: PathBuf,
         /// What failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Accepting a connection failed.
-    #[error("cannot accept a connection on {socket}")]
-    Accept {
-        /// The socket.
-        socket: PathBuf,
-        /// What accept said.
         #[source]
         source: std::io::Error,
     },
@@ -266,16 +265,43 @@ fn sanitize(vm: &str) -> String {
         .collect()
 }
 
+/// Raises the soft limit on open descriptors to the hard one: the listeners' limits
+/// (docs/migrator.md) and the moves fit the usual 1024, but a host's VMM count should not
+/// be what decides it. Failing to raise it is not fatal.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the valid, exclusively borrowed `limit`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the valid `raised`.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            tracing::warn!(
+                "cannot raise the descriptor limit: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 /// Listens on the configured socket and serves clients until SIGINT or SIGTERM.
 pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
+    raise_descriptor_limit();
     let socket = config.socket.clone();
     let listener = bind(&socket).await?;
-    let owner = std::fs::metadata(&socket)
-        .map_err(|source| DaemonError::Bind {
-            socket: socket.clone(),
-            source,
-        })?
-        .uid();
+    let placed = std::fs::metadata(&socket).map_err(|source| DaemonError::Bind {
+        socket: socket.clone(),
+        source,
+    })?;
+    let owner = placed.uid();
     let journals = journal::scan(&config.state_dir.join("moves")).map_err(DaemonError::Journals)?;
     for aside in &journals.set_aside {
         let error = error_chain(&aside.error);
@@ -379,36 +405,44 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         });
     }
     tracing::info!(socket = %socket.display(), "rdmamig daemon listening");
-    let result = loop {
+    let admission = Admission::new("api", API_CONNECTIONS);
+    loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let shared = shared.clone();
-                    clients.spawn(async move { serve_client(stream, owner, shared).await });
-                }
-                Err(source) => break Err(DaemonError::Accept { socket: socket.clone(), source }),
-            },
+            ((stream, _), slot) = admission.next(|| listener.accept()) => {
+                let shared = shared.clone();
+                clients.spawn(async move {
+                    serve_client(stream, owner, shared).await;
+                    drop(slot);
+                });
+            }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
-            _ = interrupt.recv() => break Ok(()),
-            _ = terminate.recv() => break Ok(()),
+            _ = interrupt.recv() => break,
+            _ = terminate.recv() => break,
         }
-    };
+    }
     drop(listener);
-    let _ = std::fs::remove_file(&socket);
+    remove_own_socket(&socket, placed.ino());
     if !clients.is_empty() {
         tracing::info!(clients = clients.len(), "waiting for running moves to end");
     }
     while clients.join_next().await.is_some() {}
-    result
+    Ok(())
 }
 
-/// Creates the listening socket with mode 0600, replacing a stale socket file.
+/// Creates the listening socket with mode 0600, replacing a stale socket; anything at the
+/// path that is not a socket is left alone and refused.
 async fn bind(socket: &Path) -> Result<UnixListener, DaemonError> {
+    use std::os::unix::fs::FileTypeExt;
     let bind_error = |source| DaemonError::Bind {
         socket: socket.into(),
         source,
     };
-    if socket.exists() {
+    if let Ok(existing) = std::fs::symlink_metadata(socket) {
+        if !existing.file_type().is_socket() {
+            return Err(DaemonError::NotASocket {
+                socket: socket.into(),
+            });
+        }
         if UnixStream::connect(socket).await.is_ok() {
             return Err(DaemonError::AlreadyRunning {
                 socket: socket.into(),
@@ -428,6 +462,13 @@ async fn bind(socket: &Path) -> Result<UnixListener, DaemonError> {
         return Err(bind_error(source));
     }
     Ok(listener)
+}
+
+/// Removes the daemon's socket at shutdown, unless something else has replaced it since.
+fn remove_own_socket(socket: &Path, inode: u64) {
+    if std::fs::symlink_metadata(socket).is_ok_and(|m| m.ino() == inode) {
+        let _ = std::fs::remove_file(socket);
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -708,12 +749,9 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin>(
 /// /metrics`; the path is not checked). A bounded read per connection, one response, close.
 async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let admission = Admission::new("metrics", METRICS_CONNECTIONS);
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            // Out of descriptors or similar: do not spin.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
+        let ((mut stream, _), slot) = admission.next(|| listener.accept()).await;
         let body = {
             let running = lock(&shared.running).len();
             lock(&shared.metrics).render(running)
@@ -726,7 +764,9 @@ async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
                  Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
             );
-            let _ = stream.write_all(response.as_bytes()).await;
+            let written = stream.write_all(response.as_bytes());
+            let _ = tokio::time::timeout(WRITE_TIMEOUT, written).await;
+            drop(slot);
         });
     }
 }

@@ -17,6 +17,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use rdmamig_proto::ConnectionId;
@@ -138,7 +139,11 @@ impl Journal {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(create)?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(create)?;
         let begin = Record::Begin {
             id: id.into(),
             plan: Box::new(plan.clone()),
@@ -151,6 +156,7 @@ impl Journal {
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(0o600)
             .open(&temporary)
             .and_then(|mut file| {
                 file.write_all(&line)?;
@@ -216,10 +222,16 @@ impl Journal {
     }
 }
 
-/// Writes a file through a temporary name and an fsync, so a reader never sees half of it.
+/// Writes a file (owner only) through a temporary name and an fsync, so a reader never sees
+/// half of it.
 pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let temporary = path.with_extension("tmp");
-    let mut file = std::fs::File::create(&temporary)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&temporary)?;
     file.write_all(bytes)?;
     file.sync_all()?;
     std::fs::rename(&temporary, path)?;

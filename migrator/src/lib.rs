@@ -34,6 +34,7 @@ pub mod destination;
 #[cfg(test)]
 mod fakes;
 pub mod journal;
+pub mod listen;
 pub mod machine;
 pub mod metrics;
 pub mod mover;

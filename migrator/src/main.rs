@@ -352,6 +352,13 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            if let Err(e) = create_state_dir(&state_dir) {
+                eprintln!(
+                    "rdmamig daemon: cannot create the state directory {}: {e}",
+                    state_dir.display()
+                );
+                return ExitCode::from(2);
+            }
             let boundary = match std::env::var(CRASH_AT_ENV) {
                 Ok(name) => match name.parse::<Phase>() {
                     Ok(crash_at) => Some(crash_hook(crash_at)),
@@ -439,13 +446,18 @@ fn open_pool(
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    std::fs::create_dir_all(state_dir).map_err(|source| PoolError::State {
-        action: "write",
-        path: state_dir.into(),
-        source,
-    })?;
     let pool = Pool::open(&config.pool, &state_dir.join("pool.json"))?;
     Ok((pool, config.peer))
+}
+
+/// Creates the state directory (owner only: journals and reports name VMs, devices and
+/// hosts), once the config has proven valid, so that a bad config changes nothing.
+fn create_state_dir(state_dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state_dir)
 }
 
 /// Loads the TLS files the `[peer]` table names; also where to listen, if anywhere.

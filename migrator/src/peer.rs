@@ -36,6 +36,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::agent::Outcomes;
 use crate::api::{ApiError, Channel};
 use crate::destination::{DestinationHost, LocalDestination, MoveRef, Plugged};
+use crate::listen::{Admission, PEER_CONNECTIONS};
 use crate::mover::{error_chain, Backends, StepError};
 use crate::plan::Endpoint;
 use crate::pool::{Attachment, KnownPeer, Pool};
@@ -449,15 +450,13 @@ pub struct Destination {
 /// Serves peer requests on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Result<(), PeerError> {
     let acceptor = TlsAcceptor::from(Arc::new(destination.tls.server_config()?));
+    let admission = Admission::new("peer", PEER_CONNECTIONS);
     loop {
-        let Ok((stream, address)) = listener.accept().await else {
-            // Out of descriptors or similar: do not spin.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
+        let ((stream, address), slot) = admission.next(|| listener.accept()).await;
         let acceptor = acceptor.clone();
         let destination = destination.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let opened = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
                 let tls = match acceptor.accept(stream).await {
                     Ok(tls) => tls,
