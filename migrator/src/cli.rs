@@ -88,7 +88,7 @@ pub async fn migrate(
             socket: socket.into(),
             source,
         })?;
-    let mut channel = Channel::new(stream);
+    let mut channel = Channel::to_daemon(stream);
     channel
         .send(&ClientRequest::Migrate {
             plan: Box::new(plan),
@@ -151,7 +151,7 @@ pub async fn query(
             socket: socket.into(),
             source,
         })?;
-    let mut channel = Channel::new(stream);
+    let mut channel = Channel::to_daemon(stream);
     channel.send(&request).await?;
     let answer = match channel.receive::<DaemonMessage>().await? {
         Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),

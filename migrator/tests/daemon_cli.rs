@@ -936,3 +936,38 @@ fn a_daemon_that_cannot_start_changes_nothing() {
         state.display()
     );
 }
+
+/// Answers that grow with the host (a long history, a large pool, a report with a long
+/// error) are streamed in pieces, never refused for their size.
+#[test]
+fn answers_that_grow_with_the_host_are_never_cut() {
+    let mut config = String::new();
+    for i in 0..600 {
+        config.push_str(&format!(
+            "[[pool.function]]\nname = \"vf{i}\"\ndevice = \"driver=e1000e,netdev=pool{i}\"\n"
+        ));
+    }
+    let bed = Bed::start_full(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"], None, Some(&config));
+    let out = bed.migrate("kbd0", &["--strategy", "naive"]);
+    assert!(out.status.success(), "{}", out.status);
+    let report = bed.report();
+    let moves = bed.dir.path().join("state/moves");
+    let started = report["timeline"]["started_unix_ms"].as_u64().unwrap();
+    for i in 0..449u64 {
+        let mut copy = report.clone();
+        copy["id"] = format!("copy-{i}").into();
+        copy["timeline"]["started_unix_ms"] = (started - 1 - i).into();
+        std::fs::write(moves.join(format!("copy-{i}.json")), copy.to_string()).unwrap();
+    }
+    let mut big = report.clone();
+    big["id"] = "big".into();
+    big["error"] = "x".repeat(60_000).into();
+    std::fs::write(moves.join("big.json"), big.to_string()).unwrap();
+
+    let history = bed.query(&["history", "--limit", "450"]);
+    assert_eq!(history.as_array().unwrap().len(), 450);
+    let shown = bed.query(&["report", "big"]);
+    assert_eq!(shown["error"].as_str().unwrap().len(), 60_000);
+    let pool = bed.query(&["pool"]);
+    assert_eq!(pool.as_array().unwrap().len(), 600);
+}
