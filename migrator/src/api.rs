@@ -64,6 +64,9 @@ pub struct RunningMove {
     pub started_unix_ms: u64,
     /// Whether a restarted daemon is finishing it from its journal.
     pub recovering: bool,
+    /// The control sockets of the VMMs it drives on this host.
+    #[serde(default)]
+    pub vmms: Vec<String>,
 }
 
 /// A VM the daemon will not move: its unfinished move's journal cannot be read, so nobody

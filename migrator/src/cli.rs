@@ -7,6 +7,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -41,6 +42,14 @@ pub enum CliError {
         /// Its reason.
         reason: String,
     },
+    /// The daemon did not answer in time.
+    #[error("the rdmamig daemon at {socket} did not answer within {seconds} s (see its log)")]
+    TimedOut {
+        /// The socket.
+        socket: PathBuf,
+        /// How long the client waited.
+        seconds: u64,
+    },
     /// The daemon closed the connection before the report.
     #[error("the rdmamig daemon closed the connection before the final report (see its log)")]
     NoReport,
@@ -64,6 +73,33 @@ pub enum CliError {
     },
 }
 
+/// How long a query (status, history, pool, report) may take, connecting included.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn connect(socket: &Path) -> Result<Channel<UnixStream>, CliError> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| CliError::Connect {
+            socket: socket.into(),
+            source,
+        })?;
+    Ok(Channel::to_daemon(stream))
+}
+
+/// Runs `step` against the daemon at `socket` for at most `limit`.
+async fn within<T>(
+    limit: Duration,
+    socket: &Path,
+    step: impl std::future::Future<Output = Result<T, CliError>>,
+) -> Result<T, CliError> {
+    tokio::time::timeout(limit, step).await.unwrap_or_else(|_| {
+        Err(CliError::TimedOut {
+            socket: socket.into(),
+            seconds: limit.as_secs(),
+        })
+    })
+}
+
 /// How to show progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Output {
@@ -82,20 +118,23 @@ pub async fn migrate(
     report_path: Option<&Path>,
     svg_path: Option<&Path>,
 ) -> Result<MoveReport, CliError> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|source| CliError::Connect {
-            socket: socket.into(),
-            source,
-        })?;
-    let mut channel = Channel::to_daemon(stream);
+    // The daemon speaks at least at every phase boundary; a move's silence longer than all
+    // its deadlines together means the daemon is stuck.
+    let silence = Duration::from_millis(
+        Phase::WORKING
+            .iter()
+            .map(|&phase| plan.deadlines.of(phase).as_millis() as u64)
+            .sum(),
+    ) * 3
+        + QUERY_TIMEOUT;
+    let mut channel = within(QUERY_TIMEOUT, socket, connect(socket)).await?;
     channel
         .send(&ClientRequest::Migrate {
             plan: Box::new(plan),
         })
         .await?;
     let report = loop {
-        match channel.receive::<DaemonMessage>().await? {
+        match within(silence, socket, async { Ok(channel.receive().await?) }).await? {
             Some(DaemonMessage::Event { event }) => match output {
                 Output::Text => println!("{}", render_event(&event)),
                 Output::Json => println!("{}", to_json(&event)),
@@ -145,15 +184,12 @@ pub async fn query(
     output: Output,
     svg_path: Option<&Path>,
 ) -> Result<(), CliError> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|source| CliError::Connect {
-            socket: socket.into(),
-            source,
-        })?;
-    let mut channel = Channel::to_daemon(stream);
-    channel.send(&request).await?;
-    let answer = match channel.receive::<DaemonMessage>().await? {
+    let asked = async {
+        let mut channel = connect(socket).await?;
+        channel.send(&request).await?;
+        Ok::<_, CliError>(channel.receive::<DaemonMessage>().await?)
+    };
+    let answer = match within(QUERY_TIMEOUT, socket, asked).await? {
         Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
         Some(answer) => answer,
         None => return Err(CliError::NoReport),
@@ -434,6 +470,21 @@ fn mib(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_query_to_a_daemon_that_never_answers_times_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("silent.sock");
+        // Connections wait in its backlog; nothing ever answers.
+        let _silent = tokio::net::UnixListener::bind(&socket).unwrap();
+        let err = query(&socket, ClientRequest::Status, Output::Json, None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, CliError::TimedOut { seconds: 30, .. }),
+            "{err}"
+        );
+    }
     use crate::plan::{Deadlines, Endpoint, Strategy};
     use crate::timeline::{PhaseRecord, Timeline};
     use rdmamig_vmm::{DeviceSpec, MigrationProgress, MigrationStatus};

@@ -140,9 +140,12 @@ impl Shared {
         self.config.state_dir.join("moves")
     }
 
-    /// Registers a move of `vm` unless the VM is already moving or the limit is reached.
-    fn admit(&self, vm: &str, recovering: bool) -> Result<String, String> {
-        if let Some(held) = self.held.iter().find(|h| h.vm == vm) {
+    /// Registers a move of `plan`'s VM unless the VM is already moving (by its name, or by
+    /// a VMM another move drives: two names for one VM are still one VM) or the limit is
+    /// reached.
+    fn admit(&self, plan: &MovePlan, recovering: bool) -> Result<String, String> {
+        let vm = &plan.vm;
+        if let Some(held) = self.held.iter().find(|h| &h.vm == vm) {
             return Err(format!(
                 "VM {vm} is held: its unfinished move's journal {} cannot be read ({}), so \
                  how far that move got is unknown; check the VM and its devices by hand, then \
@@ -150,11 +153,19 @@ impl Shared {
                 held.journal, held.reason
             ));
         }
+        let vmms = vmms_of(plan);
         let mut running = lock(&self.running);
-        if let Some(other) = running.values().find(|m| m.vm == vm) {
+        let busy = running
+            .values()
+            .find(|m| &m.vm == vm || m.vmms.iter().any(|v| vmms.contains(v)));
+        if let Some(other) = busy {
             return Err(format!(
-                "VM {vm} is already moving (move {}, phase {}); one move per VM at a time",
-                other.id, other.phase
+                "VM {vm} is already moving (move {} of VM {}, phase {}, with VMMs {}); one \
+                 move per VM at a time",
+                other.id,
+                other.vm,
+                other.phase,
+                other.vmms.join(", ")
             ));
         }
         if !recovering && running.len() >= self.config.max_moves {
@@ -170,24 +181,26 @@ impl Shared {
             id.clone(),
             RunningMove {
                 id: id.clone(),
-                vm: vm.into(),
+                vm: vm.clone(),
                 phase: Phase::Prepare,
                 started_unix_ms: unix_ms(),
                 recovering,
+                vmms,
             },
         );
         Ok(id)
     }
 
-    fn register_recovery(&self, id: &str, vm: &str, phase: Phase) {
+    fn register_recovery(&self, id: &str, plan: &MovePlan, phase: Phase) {
         lock(&self.running).insert(
             id.into(),
             RunningMove {
                 id: id.into(),
-                vm: vm.into(),
+                vm: plan.vm.clone(),
                 phase,
                 started_unix_ms: unix_ms(),
                 recovering: true,
+                vmms: vmms_of(plan),
             },
         );
     }
@@ -249,6 +262,26 @@ impl Shared {
             tracing::warn!("cannot prune {failure}");
         }
     }
+}
+
+/// The control sockets of the VMMs a move drives on this host, as they identify a VM
+/// better than the free-text name: the source's, and the destination's unless another
+/// migrator drives it (its path is on that host).
+fn vmms_of(plan: &MovePlan) -> Vec<String> {
+    let mut endpoints = vec![&plan.source];
+    if plan.destination_migrator.is_none() {
+        endpoints.push(&plan.destination);
+    }
+    endpoints
+        .into_iter()
+        .map(|endpoint| {
+            let socket = endpoint.control_socket();
+            std::fs::canonicalize(socket)
+                .unwrap_or_else(|_| socket.into())
+                .display()
+                .to_string()
+        })
+        .collect()
 }
 
 /// A VM name as it may appear in a file name.
@@ -385,7 +418,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         let shared = shared.clone();
         shared.register_recovery(
             &replay.id,
-            &replay.plan.vm,
+            &replay.plan,
             replay.last_phase().unwrap_or(Phase::Prepare),
         );
         tracing::warn!(move_id = %replay.id, vm = %replay.plan.vm, "recovering an unfinished move");
@@ -618,7 +651,7 @@ async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Ar
         .await;
         return;
     }
-    let id = match shared.admit(&plan.vm, false) {
+    let id = match shared.admit(&plan, false) {
         Ok(id) => id,
         Err(reason) => {
             reject(&mut channel, reason).await;
@@ -809,7 +842,7 @@ mod tests {
         // The client's end takes 16 bytes and is never read: the first event blocks.
         let (daemon_end, _client_end) = tokio::io::duplex(16);
         let mut channel = Channel::new(daemon_end);
-        let id = shared.admit("vm1", false).unwrap();
+        let id = shared.admit(&plan(), false).unwrap();
         let journal = Journal::create(&shared.moves_dir(), &id, &plan()).unwrap();
         let (events, received) = mpsc::unbounded_channel();
         let context = shared.config.context.clone();
@@ -823,6 +856,31 @@ mod tests {
         // Recorded as ended: not running, its report stored, the VM free to move again.
         assert!(lock(&shared.running).is_empty());
         assert!(shared.moves_dir().join(format!("{id}.json")).exists());
-        assert!(shared.admit("vm1", false).is_ok());
+        assert!(shared.admit(&plan(), false).is_ok());
+    }
+
+    #[test]
+    fn one_move_per_vm_by_name_and_by_vmm() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        shared.admit(&plan(), false).unwrap();
+        let mut renamed = plan();
+        renamed.vm = "same-vm-other-name".into();
+        let refused = shared.admit(&renamed, false).unwrap_err();
+        assert!(
+            refused.contains("already moving (move") && refused.contains("/s/qmp"),
+            "{refused}"
+        );
+        let mut other = plan();
+        other.vm = "vm2".into();
+        other.source = crate::plan::Endpoint::Qemu {
+            qmp: "/s2/qmp".into(),
+            agent: None,
+        };
+        other.destination = crate::plan::Endpoint::Qemu {
+            qmp: "/d2/qmp".into(),
+            agent: None,
+        };
+        shared.admit(&other, false).unwrap();
     }
 }

@@ -164,6 +164,9 @@ impl EndpointFlags {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Deadlines(BTreeMap<Phase, u64>);
 
+/// The longest deadline a phase may have: a day.
+pub const MAX_DEADLINE_MS: u64 = 24 * 3600 * 1000;
+
 impl Default for Deadlines {
     /// Generous for the test bed's TCG guests: a migration of an idle 512 MiB guest takes
     /// under a second, a quiesce a few hundred ms, a hot-unplug 0.1-0.2 s (TESTBED.md).
@@ -214,6 +217,11 @@ impl Deadlines {
             .map_err(|e| bad(format!("{ms:?} is not a number of ms: {e}")))?;
         if ms == 0 {
             return Err(bad("a deadline of 0 ms can never be met".into()));
+        }
+        if ms > MAX_DEADLINE_MS {
+            return Err(bad(format!(
+                "longer than a day ({MAX_DEADLINE_MS} ms): no phase should take that long"
+            )));
         }
         self.0.insert(phase, ms);
         Ok(())
@@ -332,6 +340,15 @@ impl MovePlan {
         if self.vm.is_empty() {
             return Err(PlanError::Empty { field: "vm name" });
         }
+        // `set` checks what the CLI gives; a plan sent over the API skips it.
+        for (phase, ms) in &self.deadlines.0 {
+            if phase.is_final() || *ms == 0 || *ms > MAX_DEADLINE_MS {
+                return Err(PlanError::Deadline {
+                    item: format!("{phase}={ms}"),
+                    reason: format!("a working phase's deadline must be 1 to {MAX_DEADLINE_MS} ms"),
+                });
+            }
+        }
         if self.detach.is_empty() {
             return Err(PlanError::Empty {
                 field: "device to detach",
@@ -397,6 +414,18 @@ pub(crate) mod tests {
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),
         }
+    }
+
+    #[test]
+    fn a_plan_from_the_api_with_a_deadline_out_of_range_is_refused() {
+        for ms in [0, MAX_DEADLINE_MS + 1] {
+            let mut text = serde_json::to_value(plan()).unwrap();
+            text["deadlines"]["detach"] = ms.into();
+            let bad: MovePlan = serde_json::from_value(text).unwrap();
+            let err = bad.validate().unwrap_err();
+            assert!(err.to_string().contains("detach="), "{err}");
+        }
+        assert!(plan().validate().is_ok());
     }
 
     #[test]

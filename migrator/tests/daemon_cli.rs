@@ -947,7 +947,11 @@ fn answers_that_grow_with_the_host_are_never_cut() {
             "[[pool.function]]\nname = \"vf{i}\"\ndevice = \"driver=e1000e,netdev=pool{i}\"\n"
         ));
     }
-    let bed = Bed::start_full(&["-device", "usb-kbd,id=kbd0,bus=xhci.0"], None, Some(&config));
+    let bed = Bed::start_full(
+        &["-device", "usb-kbd,id=kbd0,bus=xhci.0"],
+        None,
+        Some(&config),
+    );
     let out = bed.migrate("kbd0", &["--strategy", "naive"]);
     assert!(out.status.success(), "{}", out.status);
     let report = bed.report();
