@@ -154,6 +154,10 @@ struct Common {
     /// Keep receiving this long after sending stopped, in ms.
     #[arg(long, default_value_t = 1500)]
     linger_ms: u64,
+    /// Take no message for this long after the connection is up, in ms: a slow reader, to
+    /// show that the library holds a fast sender back instead of growing this side's memory.
+    #[arg(long, default_value_t = 0)]
+    stall_reading_ms: u64,
     /// Write the JSON report here (it is printed on stdout too).
     #[arg(long)]
     report: Option<PathBuf>,
@@ -297,6 +301,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         size,
         duration: c.duration.map(Duration::from_secs_f64),
         linger: Duration::from_millis(c.linger_ms),
+        stall_reading: Duration::from_millis(c.stall_reading_ms),
         ready_file: c.ready_file,
         conn: ConnectOptions {
             peer_wait: Duration::from_secs(c.peer_wait_s),

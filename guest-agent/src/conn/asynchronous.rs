@@ -170,7 +170,7 @@ impl AsyncConnection {
     /// Takes the next message, waiting up to `timeout`; `Ok(None)` if none arrived.
     pub async fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, ConnError> {
         self.wait_until(Instant::now() + timeout, |mut st| {
-            match st.inbox.pop_front() {
+            match self.conn.shared.take_message(&mut st) {
                 Some(msg) => Some(Ok(Some(msg))),
                 None => self.conn.check_usable(&st, "recv").err().map(Err),
             }

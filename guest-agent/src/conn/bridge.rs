@@ -70,13 +70,32 @@ impl Bridge {
         }
     }
 
-    /// The listener's half of the set-up: reads the BRIDGE record of a new stream.
+    /// The listener's half of the set-up: reads the BRIDGE record of a new stream, all of
+    /// it within [`SETUP_TIMEOUT`] (a client sending a byte at a time gets no longer).
     pub(crate) fn read_greeting(stream: &mut TcpStream) -> Result<Hello, String> {
         set_blocking_with_timeout(stream).map_err(|e| format!("configuring the socket: {e}"))?;
+        let deadline = std::time::Instant::now() + SETUP_TIMEOUT;
         let mut greeting = [0u8; MAX_CONNECT_PRIVATE_DATA];
-        stream
-            .read_exact(&mut greeting)
-            .map_err(|e| format!("reading the BRIDGE record (within {SETUP_TIMEOUT:?}): {e}"))?;
+        let mut got = 0;
+        while got < greeting.len() {
+            let late = || format!("the BRIDGE record did not arrive within {SETUP_TIMEOUT:?}");
+            let left = deadline
+                .checked_duration_since(std::time::Instant::now())
+                .filter(|left| !left.is_zero())
+                .ok_or_else(late)?;
+            stream
+                .set_read_timeout(Some(left))
+                .map_err(|e| format!("configuring the socket: {e}"))?;
+            match stream.read(&mut greeting[got..]) {
+                Ok(0) => return Err("the stream ended inside the BRIDGE record".into()),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(late())
+                }
+                Err(e) => return Err(format!("reading the BRIDGE record: {e}")),
+            }
+        }
         match PrivateData::decode(&greeting) {
             Ok(PrivateData::Bridge(hello)) => Ok(hello),
             Ok(other) => Err(format!("expected a BRIDGE record, got {other:?}")),
@@ -469,6 +488,33 @@ mod tests {
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000)) {
             let _ = take_frames(&bytes, MAX, &mut |_, _| Ok(()));
         }
+    }
+
+    #[test]
+    fn a_greeting_that_trickles_in_gets_the_set_up_timeout_in_all() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let trickle = std::thread::spawn(move || {
+            let mut client = std::net::TcpStream::connect(addr).unwrap();
+            // A byte every half second: each read is quick, the whole record never comes.
+            for _ in 0..12 {
+                if client.write_all(&[0]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        let (mut stream, _) = listener.accept().unwrap();
+        let start = std::time::Instant::now();
+        let err = Bridge::read_greeting(&mut stream).unwrap_err();
+        let took = start.elapsed();
+        assert!(err.contains("did not arrive within"), "{err}");
+        assert!(
+            took < SETUP_TIMEOUT + Duration::from_millis(500),
+            "took {took:?}"
+        );
+        drop(stream);
+        trickle.join().unwrap();
     }
 
     #[test]

@@ -10,6 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -49,6 +50,8 @@ pub(crate) struct ListenerShared {
     routes: Mutex<HashMap<ConnectionId, Weak<ConnShared>>>,
     failure: Mutex<Option<String>>,
     commands: Mutex<mpsc::Sender<ListenerCommand>>,
+    /// Bridge streams whose greeting is being read (at most [`MAX_PENDING_BRIDGES`]).
+    pending_bridges: Arc<AtomicUsize>,
 }
 
 impl ListenerShared {
@@ -149,6 +152,7 @@ impl Listener {
             routes: Mutex::new(HashMap::new()),
             failure: Mutex::new(None),
             commands: Mutex::new(tx),
+            pending_bridges: Arc::new(AtomicUsize::new(0)),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -262,15 +266,35 @@ impl Drop for Listener {
 
 /// The bridge listener's thread: accepts TCP streams until the listener is dropped, and
 /// hands each, once its BRIDGE record names a connection of this listener with the right
-/// token, to that connection. One stream is set up at a time; each step is bounded by the
-/// bridge's set-up timeout.
+/// token, to that connection. Each greeting is read on a thread of its own within the
+/// bridge's set-up timeout, at most [`MAX_PENDING_BRIDGES`] at once (a stream past that is
+/// closed at once), so a slow or silent client never holds up another's bridge.
 fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>) {
     loop {
         let Some(strong) = shared.upgrade() else {
             return;
         };
         match listener.accept() {
-            Ok((stream, from)) => route_bridge(stream, from, &strong),
+            Ok((stream, from)) => {
+                let pending = strong.pending_bridges.clone();
+                if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING_BRIDGES {
+                    pending.fetch_sub(1, Ordering::SeqCst);
+                    tracing::warn!(%from, "bridge refused: {MAX_PENDING_BRIDGES} greetings pending");
+                    continue;
+                }
+                let routed = std::thread::Builder::new()
+                    .name("rdmamig-bridge-greeting".into())
+                    .spawn(move || {
+                        route_bridge(stream, from, &strong);
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                    });
+                if let Err(e) = routed {
+                    tracing::warn!(%from, error = %e, "bridge refused: no thread for its greeting");
+                    if let Some(strong) = shared.upgrade() {
+                        strong.pending_bridges.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 // Not holding the listener while idle: dropping it ends this thread.
                 drop(strong);
@@ -287,6 +311,9 @@ fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>) {
         }
     }
 }
+
+/// Bridge greetings read at once (each for at most the set-up timeout).
+const MAX_PENDING_BRIDGES: usize = 16;
 
 fn route_bridge(mut stream: TcpStream, from: SocketAddr, shared: &ListenerShared) {
     let refuse = |stream, hello: &Hello, reason| {

@@ -106,6 +106,10 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use wire::Hello;
 
+/// An inbox holds this many QPs' worth of receives (`recv_depth`) before the peer is held
+/// back.
+const INBOX_DEPTHS: usize = 4;
+
 /// Settings of a connection (and of the connections a listener accepts).
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
@@ -318,6 +322,12 @@ pub enum ConnError {
         /// The handle.
         handle: u64,
     },
+    /// This side already exposes as many buffers as a connection may.
+    #[error("a connection exposes at most {limit} buffers")]
+    TooManyExposed {
+        /// The limit.
+        limit: usize,
+    },
     /// One-sided operations did not complete before the deadline.
     #[error("{op} on connection {id:016x} timed out after {after:?}: {pending} one-sided operations pending")]
     OneSidedTimedOut {
@@ -360,6 +370,8 @@ pub struct ConnStats {
     pub onesided_replayed: u64,
     /// Messages sent over the TCP bridge.
     pub bridged: u64,
+    /// The most messages that waited at once in the inbox for the application.
+    pub inbox_high: u64,
     /// Link-level events the connection recovered from (not errors for the application).
     pub link_events: Vec<String>,
 }
@@ -474,6 +486,24 @@ impl ConnShared {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many received messages may wait for the application before the worker stops
+    /// giving the peer credits (RDMA) or reading the bridge (TCP): a connection's inbox
+    /// holds at most this many messages plus one QP's receives, whatever the peer sends.
+    pub(crate) fn inbox_limit(&self) -> usize {
+        INBOX_DEPTHS * self.opts.recv_depth as usize
+    }
+
+    /// Takes the application's next message; wakes the worker when that makes room in an
+    /// inbox that was full, so that it gives the peer its credits back.
+    pub(crate) fn take_message(&self, st: &mut State) -> Option<Vec<u8>> {
+        let full = st.inbox.len() >= self.inbox_limit();
+        let message = st.inbox.pop_front();
+        if full && message.is_some() {
+            self.notify_worker();
+        }
+        message
     }
 
     /// The worker changed what callers wait for (a message arrived, the outbox drained, the
@@ -804,7 +834,7 @@ impl Connection {
         let deadline = Instant::now() + timeout;
         let mut st = self.shared.lock();
         loop {
-            if let Some(msg) = st.inbox.pop_front() {
+            if let Some(msg) = self.shared.take_message(&mut st) {
                 return Ok(Some(msg));
             }
             self.check_usable(&st, "recv")?;

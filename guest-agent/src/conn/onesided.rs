@@ -175,10 +175,20 @@ pub(crate) struct PeerMap {
     buffers: BTreeMap<u64, RemoteBuffer>,
 }
 
+/// The most buffers one side of a connection may expose: what the peer announces beyond it
+/// is a protocol error, so a peer cannot grow this side's map without bound.
+pub(crate) const MAX_BUFFERS: usize = 1024;
+
 impl PeerMap {
     /// Takes the records of one REGIONS message.
     pub(crate) fn update(&mut self, entries: &[RegionEntry]) -> Result<(), String> {
         for e in entries {
+            if !self.buffers.contains_key(&e.handle) && self.buffers.len() >= MAX_BUFFERS {
+                return Err(format!(
+                    "the peer announced more than {MAX_BUFFERS} buffers (handle {})",
+                    e.handle
+                ));
+            }
             let b = RemoteBuffer {
                 handle: e.handle,
                 len: e.len,
@@ -351,6 +361,9 @@ impl Connection {
         let handle = handle.unwrap_or_else(|| next_handle(&st.onesided.exposed));
         if st.onesided.exposed.contains_key(&handle) {
             return Err(ConnError::HandleInUse { handle });
+        }
+        if st.onesided.exposed.len() >= MAX_BUFFERS {
+            return Err(ConnError::TooManyExposed { limit: MAX_BUFFERS });
         }
         let mem = Arc::new(ExposedMemory::new(len));
         st.onesided
@@ -651,6 +664,25 @@ mod tests {
         assert_eq!(next_handle(&exposed), 1);
         exposed.insert(41, (Arc::new(ExposedMemory::new(1)), ACCESS_WRITE));
         assert_eq!(next_handle(&exposed), 42);
+    }
+
+    #[test]
+    fn a_peer_announcing_more_buffers_than_the_limit_is_refused() {
+        let mut map = PeerMap::default();
+        let entry = |handle| RegionEntry {
+            handle,
+            addr: 0,
+            rkey: 1,
+            len: 16,
+            access: 1,
+        };
+        let full: Vec<RegionEntry> = (0..MAX_BUFFERS as u64).map(entry).collect();
+        map.update(&full).unwrap();
+        // Announcing a known buffer again is fine; a new one is not.
+        map.update(&[entry(0)]).unwrap();
+        let err = map.update(&[entry(MAX_BUFFERS as u64)]).unwrap_err();
+        assert!(err.contains("more than 1024 buffers"), "{err}");
+        assert_eq!(map.buffers.len(), MAX_BUFFERS);
     }
 
     #[test]

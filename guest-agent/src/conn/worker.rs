@@ -226,6 +226,12 @@ struct Link {
     close_sent: bool,
     disconnecting: Option<Instant>,
     slot: usize,
+    /// Receives not posted again because the application's inbox is full: (slot offset,
+    /// work request id). Withholding them withholds the peer's credits, which is the
+    /// backpressure that keeps a fast sender from growing a slow reader's memory.
+    withheld: Vec<(usize, u64)>,
+    /// How many messages the inbox may hold before receives are withheld.
+    inbox_limit: usize,
 }
 
 impl Link {
@@ -994,6 +1000,8 @@ impl Worker {
             close_sent: false,
             disconnecting: None,
             slot: self.slot,
+            withheld: Vec::new(),
+            inbox_limit: self.sh.inbox_limit(),
         });
         st.conn_state = ConnectionState::Established;
         st.stats.established += 1;
@@ -1206,11 +1214,11 @@ impl Worker {
     /// write is never posted before it (and RC executes in posting order at the peer).
     fn pump(&mut self) {
         let Some(link) = &mut self.link else { return };
-        let mut failure = None;
         let mut st = self.sh.lock();
+        let mut failure = repost_withheld(link, &st).err();
         let leaving = link.pause.as_ref().is_some_and(|p| p.sent) || link.close_sent;
         if let Err(e) = link.register_exposures(&st) {
-            failure = Some(LinkEvent::Local(e));
+            failure.get_or_insert(LinkEvent::Local(e));
         }
         let per_message = (self.sh.opts.max_message / REGION_ENTRY_LEN).max(1);
         while failure.is_none() && !link.announce.is_empty() && !leaving && link.can_post_control()
@@ -1470,30 +1478,38 @@ impl Worker {
         let mut st = self.sh.lock();
         let mut delivered = false;
         let mut got_data = false;
-        let mut result = bridge.receive(|h, payload| {
-            while st.outbox.front().is_some_and(|(seq, _)| *seq <= h.ack) {
-                st.outbox.pop_front();
-                delivered = true;
-            }
-            if h.kind == Kind::Data {
-                got_data = true;
-                match classify(st.last_received, h.seq) {
-                    Arrival::Deliver => {
-                        st.inbox.push_back(payload.to_vec());
-                        st.last_received = h.seq;
-                        delivered = true;
-                    }
-                    Arrival::Duplicate => st.stats.duplicates_dropped += 1,
-                    Arrival::Gap { expected } => {
-                        return Err(format!(
-                            "received sequence {} on the bridge while expecting {expected}",
-                            h.seq
-                        ))
+        // An application that is behind leaves the bridge unread: TCP's own flow control
+        // then holds the sender back. Its next receive wakes the worker to read again.
+        let room = st.inbox.len() < self.sh.inbox_limit();
+        let mut result = if !room {
+            Ok(())
+        } else {
+            bridge.receive(|h, payload| {
+                while st.outbox.front().is_some_and(|(seq, _)| *seq <= h.ack) {
+                    st.outbox.pop_front();
+                    delivered = true;
+                }
+                if h.kind == Kind::Data {
+                    got_data = true;
+                    match classify(st.last_received, h.seq) {
+                        Arrival::Deliver => {
+                            st.inbox.push_back(payload.to_vec());
+                            st.last_received = h.seq;
+                            st.stats.inbox_high = st.stats.inbox_high.max(st.inbox.len() as u64);
+                            delivered = true;
+                        }
+                        Arrival::Duplicate => st.stats.duplicates_dropped += 1,
+                        Arrival::Gap { expected } => {
+                            return Err(format!(
+                                "received sequence {} on the bridge while expecting {expected}",
+                                h.seq
+                            ))
+                        }
                     }
                 }
-            }
-            Ok(())
-        });
+                Ok(())
+            })
+        };
         bridge.owes_ack |= got_data;
         if result.is_ok() && self.bridging {
             while bridge.has_room() {
@@ -1731,12 +1747,15 @@ fn process(
         st.outbox.pop_front();
         *delivered = true; // wakes senders waiting for room, and flush()
     }
+    let mut withhold = false;
     match h.kind {
         Kind::Data => match classify(st.last_received, h.seq) {
             Arrival::Deliver => {
                 st.inbox.push_back(payload.to_vec());
                 st.last_received = h.seq;
+                st.stats.inbox_high = st.stats.inbox_high.max(st.inbox.len() as u64);
                 *delivered = true;
+                withhold = st.inbox.len() >= link.inbox_limit;
             }
             Arrival::Duplicate => st.stats.duplicates_dropped += 1,
             Arrival::Gap { expected } => {
@@ -1774,11 +1793,32 @@ fn process(
             *delivered = true; // wakes `remote`
         }
     }
+    if withhold {
+        // The application is behind: the peer gets this credit back once it catches up.
+        link.withheld.push((off, wc.wr_id));
+        return Ok(());
+    }
+    repost(link, off, wc.wr_id)
+}
+
+/// Posts the receive in the slot at `off` again, which gives the peer one more credit.
+fn repost(link: &mut Link, off: usize, wr_id: u64) -> Result<(), LinkEvent> {
     link.ep
         .id
-        .post_recv(&link.ep.recv_mr, off, link.slot, wc.wr_id)
+        .post_recv(&link.ep.recv_mr, off, link.slot, wr_id)
         .map_err(|e| LinkEvent::Local(format!("re-posting a receive: {}", error_chain(&e))))?;
     link.credits.on_reposted();
+    Ok(())
+}
+
+/// Posts again the receives withheld while the inbox was full, as far as it has room now.
+fn repost_withheld(link: &mut Link, st: &super::State) -> Result<(), LinkEvent> {
+    while st.inbox.len() < link.inbox_limit {
+        let Some((off, wr_id)) = link.withheld.pop() else {
+            break;
+        };
+        repost(link, off, wr_id)?;
+    }
     Ok(())
 }
 

@@ -67,6 +67,8 @@ pub struct TrafficConfig {
     pub duration: Option<Duration>,
     /// Receive for this long after sending stopped (and, migratable, after the flush).
     pub linger: Duration,
+    /// How long the receiver takes no message after the connection is up (a slow reader).
+    pub stall_reading: Duration,
     /// Written once connected.
     pub ready_file: Option<PathBuf>,
     /// Options of migratable connections.
@@ -286,6 +288,9 @@ pub struct Report {
     pub errors: Vec<String>,
     /// Link events the migratable connection recovered from by itself.
     pub link_events: Vec<String>,
+    /// The most messages that waited at once for this side to take them (migratable).
+    #[serde(default)]
+    pub inbox_high: u64,
     /// Connections (re)established.
     pub connections_established: u64,
     /// Messages re-sent after a reconnect (migratable).
@@ -680,7 +685,9 @@ impl Flow {
             flow.tracker.clone(),
         );
         let (buffers, counters) = (flow.buffers.clone(), flow.counters.clone());
+        let stall = cfg.stall_reading;
         flow.receiver = Some(std::thread::spawn(move || {
+            std::thread::sleep(stall);
             while !stop_recv.load(Ordering::Relaxed) {
                 match ep.recv(Duration::from_millis(100)) {
                     Ok(Some(m)) => match decode_message(&m) {
@@ -750,25 +757,27 @@ impl Flow {
 
     fn finish(self, cfg: &TrafficConfig, started_unix_ms: u64) -> Report {
         let errors = &self.errors;
-        let (established, link_events, replayed, bridged, onesided_replayed) = match &*self.ep {
-            Endpoint::Migratable(c, _) => {
-                let s = c.stats();
-                (
-                    s.established,
-                    s.link_events,
-                    s.replayed,
-                    s.bridged,
-                    s.onesided_replayed,
-                )
-            }
-            Endpoint::Plain(p) => {
-                let s = p.stats();
-                for e in s.errors {
-                    errors.add(format!("connection: {e}"));
+        let (established, link_events, replayed, bridged, onesided_replayed, inbox_high) =
+            match &*self.ep {
+                Endpoint::Migratable(c, _) => {
+                    let s = c.stats();
+                    (
+                        s.established,
+                        s.link_events,
+                        s.replayed,
+                        s.bridged,
+                        s.onesided_replayed,
+                        s.inbox_high,
+                    )
                 }
-                (s.established, Vec::new(), 0, 0, 0)
-            }
-        };
+                Endpoint::Plain(p) => {
+                    let s = p.stats();
+                    for e in s.errors {
+                        errors.add(format!("connection: {e}"));
+                    }
+                    (s.established, Vec::new(), 0, 0, 0, 0)
+                }
+            };
         let t = self.tracker.lock().unwrap_or_else(|p| p.into_inner());
         let (gap, gap_start, gap_end) = t.max_gap.unwrap_or((Duration::ZERO, 0, 0));
         let (role, address) = match cfg.side {
@@ -797,6 +806,7 @@ impl Flow {
             last_delivery_unix_ms: t.last.map_or(0, |(_, ms)| ms),
             errors: errors.list(),
             link_events,
+            inbox_high,
             connections_established: established,
             replayed,
             bridged,
