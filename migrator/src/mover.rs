@@ -68,6 +68,10 @@ const RELEASE_GRACE: Duration = Duration::from_millis(1000);
 /// How often a rollback polls the source while a cancelled migration winds down.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
 
+/// The part of a rollback's deadline kept, after the resume, to give the destination's
+/// function back.
+const RELEASE_RESERVE: Duration = Duration::from_secs(2);
+
 /// How often a rollback polls the source while the guest finishes a pending unplug.
 const REMOVAL_POLL: Duration = Duration::from_millis(100);
 
@@ -781,7 +785,7 @@ impl Mover {
         if self.unplugging {
             self.await_pending_removal(steps, deadline).await?;
         }
-        within(deadline, self.undo_on_source(steps)).await
+        within(deadline, self.undo_on_source(steps, deadline)).await
     }
 
     /// Brings the VM back to the source VMM if the migration started: cancels it or, if it
@@ -902,7 +906,12 @@ impl Mover {
 
     /// Plugs the device back on the source, resumes the connections there, and gives back
     /// the destination's function.
-    async fn undo_on_source(&mut self, steps: &mut Vec<String>) -> Result<(), StepError> {
+    async fn undo_on_source(
+        &mut self,
+        steps: &mut Vec<String>,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
+        let stage = Instant::now();
         let reached = self.reached;
         if reached >= Phase::Detach && self.strategy != Strategy::VfioMigrate {
             let source = self.source_vmm().await?;
@@ -918,7 +927,16 @@ impl Mover {
             // A fresh session: the old one may hold requests the agent never answered.
             self.agent = None;
             let source = self.source_vmm().await?;
-            let budget = self.plan.deadlines.of(Phase::Resume);
+            // A NIC plugged again must come up before anything reconnects: the resume gets
+            // what is left of the rollback's deadline (but the time to give back a function).
+            let reserve = if self.function.is_some() {
+                RELEASE_RESERVE
+            } else {
+                Duration::ZERO
+            };
+            let budget = deadline
+                .saturating_sub(stage.elapsed())
+                .saturating_sub(reserve);
             let start = Instant::now();
             let (mut agent, _) =
                 open_agent(self.context.backends.as_ref(), source.as_ref(), budget).await?;
