@@ -77,6 +77,8 @@ pub struct ScenarioConfig {
     pub before: Duration,
     /// Traffic time after the move.
     pub after: Duration,
+    /// `phase=ms` deadlines given to `rdmamig migrate` (`--deadline`), beside its defaults.
+    pub deadlines: Vec<String>,
 }
 
 impl ScenarioConfig {
@@ -91,6 +93,7 @@ impl ScenarioConfig {
             overlap: false,
             before: Duration::from_secs(3),
             after: Duration::from_secs(4),
+            deadlines: Vec::new(),
         }
     }
 }
@@ -381,6 +384,7 @@ pub fn run(
             (&src, &dst),
             &report_path,
             &format!("move-{tag}.log"),
+            &config.deadlines,
         )
     };
     let move_peer = |peer_dst: &Guest| {
@@ -391,6 +395,7 @@ pub fn run(
             (&peer, peer_dst),
             &peer_report_path,
             &format!("move-{tag}-peer.log"),
+            &config.deadlines,
         )
     };
     let started = crate::unix_ms();
@@ -464,7 +469,8 @@ pub fn run(
 /// Moves `vm` to the `-incoming` guest `dst` with `rdmamig migrate` (strategy `tag`),
 /// writing the migrator's report to `report_path` and its output to `log` in the bed's
 /// directory; stops the source and attaches to the destination's console afterwards.
-/// Returns whether the move succeeded and what the command printed.
+/// `deadlines`: `phase=ms` items for `--deadline`. Returns whether the move succeeded and
+/// what the command printed.
 pub fn migrate_vm(
     bed: &Testbed,
     daemon: &Daemon,
@@ -472,11 +478,15 @@ pub fn migrate_vm(
     (vm, dst): (&Guest, &Guest),
     report_path: &Path,
     log: &str,
+    deadlines: &[String],
 ) -> Result<(bool, String), ScenarioError> {
     let mut migrate = crate::steps::migrate_command(daemon.socket(), vm, dst);
     migrate
         .args(["--strategy", tag, "--report"])
         .arg(report_path);
+    for deadline in deadlines {
+        migrate.args(["--deadline", deadline]);
+    }
     let outcome = run_bounded(migrate, &bed.dir().join(log), MOVE_TIMEOUT)?;
     vm.kill();
     dst.reattach_console()

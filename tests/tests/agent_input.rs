@@ -74,6 +74,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         (&g.src, &g.dst),
         &report_path,
         "move.log",
+        &[],
     )?;
     assert!(ok, "the move after the bad input failed:\n{output}");
     let report: MoveReport = serde_json::from_slice(&std::fs::read(&report_path)?)?;

@@ -71,6 +71,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         (&g.src, &g.dst),
         &bed.dir().join("async-move.json"),
         "async-move.log",
+        &[],
     )?;
     assert!(ok, "the move failed:\n{output}");
     // Both runs outlived the move: they were carried through it, not run before or after.

@@ -85,6 +85,7 @@ fn run(bed: &Testbed, daemon: &Daemon, s: &mut Slots) -> Result<(), Box<dyn std:
             (&s.vm, &next),
             &bed.dir().join(format!("move-{n}.json")),
             &format!("move-{n}.log"),
+            &[],
         )?;
         let moved = started.elapsed();
         s.vm = next;

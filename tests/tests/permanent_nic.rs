@@ -72,6 +72,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         (&g.src, &g.dst),
         &bed.dir().join("permanent-move.json"),
         "permanent-move.log",
+        &[],
     )?;
     assert!(ok, "the move failed:\n{output}");
 
