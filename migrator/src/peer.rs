@@ -1089,6 +1089,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_flood_of_idle_connections_holds_at_most_its_places_and_the_peer_is_served_after() {
+        let pki = Pki::new("rdmamig");
+        let (src, dst) = (pki.issue("src"), pki.issue("dst"));
+        let (address, _pool, _dir) =
+            destination(pki.tls(&dst, &[("src", &src.0, None)]), &FakeHost::new()).await;
+        // Twice as many idle connections as there are places: the rest wait in the backlog.
+        let mut flood = Vec::new();
+        for _ in 0..2 * crate::listen::PEER_CONNECTIONS {
+            flood.push(tokio::net::TcpStream::connect(&address).await.unwrap());
+        }
+        let client = pki.tls(&src, &[("dst", &dst.0, None)]);
+        // While the flood holds every place, a real peer waits (each idle connection holds
+        // its place for the handshake timeout at most)...
+        let waiting = tokio::time::timeout(
+            Duration::from_millis(500),
+            call(&client, &target(&address), &reserve()),
+        )
+        .await;
+        assert!(
+            waiting.is_err(),
+            "a call got a place the flood held: {waiting:?}"
+        );
+        // ...and is served once the flood ends.
+        drop(flood);
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            call(&client, &target(&address), &reserve()),
+        )
+        .await
+        .expect("the destination does not serve after a flood")
+        .unwrap();
+        assert!(matches!(answer, PeerAnswer::Reserved { .. }), "{answer:?}");
+    }
+
+    #[tokio::test]
     async fn a_signed_but_unknown_peer_and_another_version_are_refused() {
         let pki = Pki::new("rdmamig");
         let (src, dst, other) = (pki.issue("src"), pki.issue("dst"), pki.issue("other"));
