@@ -203,6 +203,9 @@ impl GuestAgent for AgentClient {
 pub struct AgentClient {
     stream: Box<dyn AgentStream>,
     buffer: FrameBuffer,
+    /// This session's first request id: the clock in µs when it began, so that every
+    /// session's ids are above those of the sessions before it.
+    first_id: u64,
     next_id: u64,
     /// Requests given up on; their late answers are dropped.
     abandoned: HashSet<u64>,
@@ -211,10 +214,14 @@ pub struct AgentClient {
 impl AgentClient {
     /// Wraps a connected agent channel.
     pub fn new(stream: Box<dyn AgentStream>) -> AgentClient {
+        let first_id = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
         AgentClient {
             stream,
             buffer: FrameBuffer::new(),
-            next_id: 1,
+            first_id,
+            next_id: first_id,
             abandoned: HashSet::new(),
         }
     }
@@ -323,6 +330,13 @@ impl AgentClient {
                 let response = self.read_response(name).await?;
                 if response.id == id {
                     return Ok(response.result);
+                }
+                // A virtio-serial port is one stream whoever is connected: an answer to a
+                // request of an earlier session (a migrator killed while the agent worked on
+                // it) arrives on this one, and is nobody's now.
+                if response.id < self.first_id {
+                    tracing::debug!(id = response.id, "dropped an earlier session's answer");
+                    continue;
                 }
                 if !self.abandoned.remove(&response.id) {
                     return Err(AgentError::WrongId {
@@ -628,6 +642,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_answer_to_an_earlier_sessions_request_is_dropped() {
+        let (mut host, mut guest) = client();
+        tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            // The answer to what a killed migrator had asked, then this session's.
+            answer(
+                &mut guest,
+                2,
+                AgentResult::Pong {
+                    version: "old".into(),
+                },
+            )
+            .await;
+            answer(
+                &mut guest,
+                req.id,
+                AgentResult::Pong {
+                    version: "new".into(),
+                },
+            )
+            .await;
+        });
+        assert_eq!(host.ping(SECOND).await.unwrap(), "new");
+    }
+
+    #[tokio::test]
     async fn wrong_ids_kinds_and_errors_are_typed() {
         let (mut host, mut guest) = client();
         tokio::spawn(async move {
@@ -664,10 +704,10 @@ mod tests {
             matches!(
                 err,
                 AgentError::WrongId {
-                    expected: 1,
-                    got: 41,
+                    expected,
+                    got,
                     ..
-                }
+                } if got == expected + 40
             ),
             "{err}"
         );
