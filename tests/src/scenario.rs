@@ -299,6 +299,15 @@ impl Daemon {
         &self.socket
     }
 
+    /// Kills the daemon started by [`Daemon::start`] in `dir` (SIGKILL, as a crash would) and
+    /// starts it again on the same state, which finishes or rolls back what it was running.
+    pub fn restart_after_kill(&mut self, dir: &Path) -> Result<(), ScenarioError> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        *self = Daemon::start(dir)?;
+        Ok(())
+    }
+
     /// Waits (at most `timeout`) for the daemon to exit by itself; returns whether it did,
     /// and whether it exited successfully.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<bool> {
