@@ -146,16 +146,17 @@ pub enum Attachment {
 }
 
 impl Attachment {
-    /// The device this plugs, as two functions must never share it: a VF's PCI address, an
-    /// emulated device's host backend (its `netdev`, or a passthrough `host`); `None` for an
-    /// emulated device with neither.
+    /// The host device this plugs, which two functions must never share: a VF's PCI
+    /// address, or the `host=` of a device given by its properties (a vfio-pci line).
+    /// `None` for an emulated device: its backend (a `netdev` id) belongs to whichever VMM
+    /// it is plugged into, so two functions may name the same one.
     fn identity(&self) -> Option<String> {
         match self {
             Attachment::Vfio { pci } => Some(pci.to_ascii_lowercase()),
-            Attachment::Emulated { properties } => ["netdev", "host"].iter().find_map(|key| {
-                let value = properties.get(*key)?;
-                Some(format!("{key} {}", value.as_str().unwrap_or_default()))
-            }),
+            Attachment::Emulated { properties } => properties
+                .get("host")
+                .and_then(Value::as_str)
+                .map(str::to_ascii_lowercase),
         }
     }
 }
@@ -729,8 +730,8 @@ mod tests {
                 "0000:3b:00.2 is already function \"a\"",
             ),
             (
-                "[[pool.function]]\nname = \"a\"\ndevice = \"driver=e1000e,netdev=nd1\"\n[[pool.function]]\nname = \"b\"\ndevice = \"driver=virtio-net-pci,netdev=nd1\"\n",
-                "netdev nd1 is already function \"a\"",
+                "[[pool.function]]\nname = \"a\"\npci = \"0000:3b:00.2\"\n[[pool.function]]\nname = \"b\"\ndevice = \"driver=vfio-pci,host=0000:3b:00.2\"\n",
+                "0000:3b:00.2 is already function \"a\"",
             ),
             ("[pool]\nreservation_s = 0\n", "between 1 s and"),
             ("[pool]\nreservation_s = 18446744073709551\n", "between 1 s and"),
