@@ -330,11 +330,28 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
     raise_descriptor_limit();
     let socket = config.socket.clone();
     let listener = bind(&socket).await?;
-    let placed = std::fs::metadata(&socket).map_err(|source| DaemonError::Bind {
-        socket: socket.clone(),
-        source,
-    })?;
-    let owner = placed.uid();
+    let placed = match std::fs::metadata(&socket) {
+        Ok(placed) => placed,
+        Err(source) => {
+            let _ = std::fs::remove_file(&socket);
+            return Err(DaemonError::Bind { socket, source });
+        }
+    };
+    // Whatever ends the daemon, from here on (a metrics port in use, say), the socket goes
+    // with it: a socket left behind would only refuse connections.
+    let served = serve_on(listener, placed.uid(), placed.ino(), config).await;
+    remove_own_socket(&socket, placed.ino());
+    served
+}
+
+/// [`serve`] once the socket is in place: `owner` owns it, `inode` is its file's.
+async fn serve_on(
+    listener: UnixListener,
+    owner: u32,
+    inode: u64,
+    config: DaemonConfig,
+) -> Result<(), DaemonError> {
+    let socket = config.socket.clone();
     let journals = journal::scan(&config.state_dir.join("moves")).map_err(DaemonError::Journals)?;
     for aside in &journals.set_aside {
         let error = error_chain(&aside.error);
@@ -454,7 +471,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), DaemonError> {
         }
     }
     drop(listener);
-    remove_own_socket(&socket, placed.ino());
+    remove_own_socket(&socket, inode);
     if !clients.is_empty() {
         tracing::info!(clients = clients.len(), "waiting for running moves to end");
     }

@@ -112,13 +112,15 @@ struct Bed {
     destination: Vm,
 }
 
-/// A metrics port for the daemon in `dir`, distinct between the tests of one run.
+/// A metrics port for the daemon in `dir`, distinct between the tests of one run, and below
+/// Linux's ephemeral ports (32768 on): the flood test's hundreds of client connections take
+/// ports there, and a daemon must not find its own taken.
 fn metrics_port(dir: &Path) -> u16 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     dir.hash(&mut hasher);
     std::process::id().hash(&mut hasher);
-    20_000 + u16::try_from(hasher.finish() % 20_000).unwrap()
+    20_000 + u16::try_from(hasher.finish() % 12_000).unwrap()
 }
 
 /// GET /metrics from the daemon in `dir`.
@@ -930,6 +932,24 @@ fn a_daemon_that_cannot_start_changes_nothing() {
         "a rejected config created {}",
         state.display()
     );
+
+    // A daemon that stops after its socket is in place (its metrics port is taken) takes
+    // the socket with it.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let socket = dir.path().join("d3.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_rdmamig"))
+        .args(["daemon", "--socket"])
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state3"))
+        .arg("--metrics")
+        .arg(taken.local_addr().unwrap().to_string())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("cannot serve metrics"), "{stderr}");
+    assert!(!socket.exists(), "the stopped daemon left its socket");
 }
 
 /// Answers that grow with the host (a long history, a large pool, a report with a long
