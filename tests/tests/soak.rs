@@ -79,7 +79,9 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
-    eprintln!("soak: seed {seed} (RDMAMIG_SOAK_SEED={seed} repeats this run), {moves} moves");
+    say(&format!(
+        "soak: seed {seed} (RDMAMIG_SOAK_SEED={seed} repeats this run), {moves} moves"
+    ));
     let mut rng = Rng(seed);
 
     let bed = Testbed::new("soak").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
@@ -124,11 +126,11 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
         let report = newest_report(daemon.socket(), n);
         let outcome = report["final_phase"].as_str().unwrap_or("?").to_string();
         let moved = report["vm_location"] == "destination";
-        eprintln!(
+        say(&format!(
             "soak: move {n}: {fault:?} {injected}: {outcome} in {} ms, VM on the {}",
             started.elapsed().as_millis(),
             if moved { "destination" } else { "source" }
-        );
+        ));
         // A move ends done or rolled back. One whose agent died after the quiesce ends
         // failed past the point of no return: the VM runs on the destination, and its
         // connections, which no resume reached, reconnect on their own.
@@ -193,6 +195,13 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     );
     let status = rdmamig(daemon.socket(), &["status"]);
     assert_eq!(status["moves"], serde_json::json!([]), "{status:#}");
+}
+
+/// Prints to the test's stderr even when the test passes (the test harness captures only
+/// what its print macros write): CI's log shows the seed and every move's outcome.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 fn tag(flow: usize) -> String {
