@@ -711,6 +711,9 @@ impl Mover {
     /// Ends a move that failed in `failed`: rolls back when the phase allows it.
     async fn fail_and_roll_back(&mut self, failed: Phase, error: MoveError) -> RunResult {
         if !failed.can_roll_back() {
+            // Past the point of no return the VM runs on the destination: the function it
+            // left at the detach is free, whatever went wrong after.
+            self.return_source_function();
             self.phase =
                 transition(self.phase, Phase::Failed).map_err(|e| (self.phase, e.into()))?;
             return Err((failed, error));
@@ -2109,6 +2112,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_move_that_fails_past_the_point_of_no_return_still_frees_the_source_function() {
+        let dir = tempfile::tempdir().unwrap();
+        let config: crate::pool::Config = toml::from_str(
+            "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n",
+        )
+        .unwrap();
+        let mut bed = Bed::new();
+        bed.pool = Arc::new(Pool::open(&config.pool, &dir.path().join("pool.json")).unwrap());
+        bed.pool.reserve("earlier").unwrap();
+        bed.pool.attach("tap0", "earlier", "vm1").unwrap();
+        bed.host.fail("agent.resume", Fault::Timeout);
+        let mut plan = plan();
+        plan.source_function = Some("tap0".into());
+        let report = bed.run(plan).await;
+        assert_eq!(report.final_phase, Phase::Failed);
+        assert_eq!(report.vm_location, VmLocation::Destination);
+        assert_eq!(bed.pool.state("tap0"), Some(FunctionState::Free));
     }
 
     #[tokio::test]

@@ -54,6 +54,20 @@ fn wait_for_file(path: &Path) {
     }
 }
 
+/// Waits until the UNIX socket `path` takes a connection: its file exists from bind(),
+/// before its owner listens.
+fn wait_for_listener(path: &Path) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        assert!(
+            Instant::now() < end,
+            "{} took no connection",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// One VM's QEMU process with its sockets in `dir/name/`.
 struct Vm {
     dir: PathBuf,
@@ -90,7 +104,7 @@ impl Vm {
             dir,
             _process: Process(child),
         };
-        wait_for_file(&vm.qmp());
+        wait_for_listener(&vm.qmp());
         vm
     }
 

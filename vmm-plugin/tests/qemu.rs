@@ -69,9 +69,14 @@ impl Qemu {
             .spawn()
             .expect("qemu-system-x86_64 runs (Debian package qemu-system-x86)");
         let qemu = Qemu { child, dir };
+        // The socket file exists from bind(), before QEMU listens on it: wait until a
+        // connection is taken (on a loaded machine the gap is long enough to hit).
         let end = Instant::now() + Duration::from_secs(10);
-        while !qmp.exists() {
-            assert!(Instant::now() < end, "QEMU created no QMP socket in 10 s");
+        while std::os::unix::net::UnixStream::connect(&qmp).is_err() {
+            assert!(
+                Instant::now() < end,
+                "QEMU's QMP socket took no connection in 10 s"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         qemu
