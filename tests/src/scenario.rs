@@ -299,12 +299,17 @@ impl Daemon {
         &self.socket
     }
 
-    /// Kills the daemon started by [`Daemon::start`] in `dir` (SIGKILL, as a crash would) and
-    /// starts it again on the same state, which finishes or rolls back what it was running.
-    pub fn restart_after_kill(&mut self, dir: &Path) -> Result<(), ScenarioError> {
+    /// Kills the daemon started by [`Daemon::start_named`] as `rdmamig` in `dir` with
+    /// `config` (SIGKILL, as a crash would) and starts it again on the same state, which
+    /// finishes or rolls back what it was running.
+    pub fn restart_after_kill(
+        &mut self,
+        dir: &Path,
+        config: Option<&Path>,
+    ) -> Result<(), ScenarioError> {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Daemon::start(dir)?;
+        *self = Daemon::start_named(dir, "rdmamig", config)?;
         Ok(())
     }
 

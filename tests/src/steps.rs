@@ -241,12 +241,18 @@ pub fn finish_clean_flow(vm: &Guest, vm_name: &str, peer: &Guest, tag: &str) -> 
 /// with the same MAC, on the destination's netdev `nd0`, over a UNIX migration socket.
 /// Callers add the strategy, deadlines, report path or output options they need.
 pub fn migrate_command(socket: &Path, src: &Guest, dst: &Guest) -> Command {
+    migrate_command_as(socket, &src.spec().name, src, dst)
+}
+
+/// [`migrate_command`] for the VM named `vm` (by default a move names the VM after its
+/// source guest, whose name changes with every QEMU process it moves to).
+pub fn migrate_command_as(socket: &Path, vm: &str, src: &Guest, dst: &Guest) -> Command {
     let mut command = Command::new(bin_dir().join("rdmamig"));
     command
         .arg("migrate")
         .arg("--socket")
         .arg(socket)
-        .args(["--vm", &src.spec().name, "--qmp"])
+        .args(["--vm", vm, "--qmp"])
         .arg(src.qmp_socket())
         .arg("--agent")
         .arg(src.agent_socket())

@@ -7,9 +7,12 @@
 //! - a client that stops reading for the whole move (SIGSTOP);
 //! - the traffic processes restarted after the move (the flow that ends is checked).
 //!
-//! The seed is printed (`RDMAMIG_SOAK_SEED=<seed>` repeats a run), and so is each move's
-//! fault and outcome. At the end every move has a report in the daemon's history, every flow
-//! lost, duplicated and reordered nothing, and the daemon still answers.
+//! Every move plugs a function from the daemon's pool (`--from-pool`) and gives back the one
+//! it unplugs (`--source-function`). The seed is printed (`RDMAMIG_SOAK_SEED=<seed>` repeats
+//! a run), and so is each move's fault and outcome. At the end every move has a report in
+//! the daemon's history, every flow lost, duplicated and reordered nothing, the daemon still
+//! answers, and its pool is consistent: the function the VM has is attached to it, the other
+//! is free.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    finish_clean_flow, migrate_command, start_traffic, wait_ready, MoveGuests, STEP_TIMEOUT,
+    finish_clean_flow, migrate_command_as, start_traffic, wait_ready, MoveGuests, STEP_TIMEOUT,
 };
 use rdmamig_testbed::{bin_dir, error_chain, Guest, Testbed};
 use serde_json::Value;
@@ -31,6 +34,11 @@ use serde_json::Value;
 const PEER_WAIT_S: u64 = 8;
 /// How long one move may take, faults included.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(180);
+/// The VM's name in every move (its QEMU processes have names of their own).
+const VM: &str = "soak-vm";
+/// The daemon's pool: two emulated NICs on whichever VMM's `nd0` a move plugs them into.
+const POOL: &str = "[[pool.function]]\nname = \"nic-a\"\ndevice = \"driver=virtio-net-pci,netdev=nd0\"\n\
+                    [[pool.function]]\nname = \"nic-b\"\ndevice = \"driver=virtio-net-pci,netdev=nd0\"\n";
 
 /// A fault injected into one move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +93,12 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     let mut rng = Rng(seed);
 
     let bed = Testbed::new("soak").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let mut daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let config = bed.dir().join("rdmamig.toml");
+    std::fs::write(&config, POOL).unwrap();
+    let mut daemon = Daemon::start_named(bed.dir(), "rdmamig", Some(&config))
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    // The pool function the VM has (none before its first move).
+    let mut function: Option<String> = None;
     let guests = MoveGuests::start(&bed, "sk").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let mut flow = 0;
     // The moving VM's connections reconnect on their own PEER_WAIT_S after a move whose
@@ -114,14 +127,19 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             }
         };
         let started = Instant::now();
-        let client = migrate_command(daemon.socket(), &vm, &dst)
+        let mut command = migrate_command_as(daemon.socket(), VM, &vm, &dst);
+        command.arg("--from-pool");
+        if let Some(function) = &function {
+            command.args(["--source-function", function]);
+        }
+        let client = command
             .arg("--report")
             .arg(bed.dir().join(format!("move-{n}.json")))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let injected = inject(fault, at, &client, &mut daemon, &bed, &vm);
+        let injected = inject(fault, at, &client, &mut daemon, &bed, &config, &vm);
         let out = wait_client(client, fault, daemon.socket());
         let report = newest_report(daemon.socket(), n);
         let outcome = report["final_phase"].as_str().unwrap_or("?").to_string();
@@ -145,6 +163,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             vm.kill();
             dst.reattach_console().unwrap();
             vm = dst;
+            function = report["function"].as_str().map(str::to_string);
         } else {
             dst.kill();
         }
@@ -195,6 +214,18 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     );
     let status = rdmamig(daemon.socket(), &["status"]);
     assert_eq!(status["moves"], serde_json::json!([]), "{status:#}");
+    let pool = rdmamig(daemon.socket(), &["pool"]);
+    say(&format!("soak: pool at the end: {pool}"));
+    for entry in pool.as_array().unwrap() {
+        let name = entry["name"].as_str().unwrap();
+        let state = &entry["state"];
+        if Some(name) == function.as_deref() {
+            assert_eq!(state["state"], "attached", "{pool:#}");
+            assert_eq!(state["vm"], VM, "{pool:#}");
+        } else {
+            assert_eq!(state["state"], "free", "{pool:#}");
+        }
+    }
 }
 
 /// Prints to the test's stderr even when the test passes (the test harness captures only
@@ -215,23 +246,27 @@ fn inject(
     client: &Child,
     daemon: &mut Daemon,
     bed: &Testbed,
+    config: &Path,
     vm: &Guest,
 ) -> String {
     match fault {
         Fault::None | Fault::TrafficRestarted => String::new(),
         Fault::AgentKilled => {
             std::thread::sleep(at);
-            // Once the VM has stopped on the source, its console no longer answers: then the
-            // agent lives on and is killed nowhere.
+            // Once the VM has stopped on the source its console no longer answers, and the
+            // kill may or may not have run before it did.
             match vm.run("kill -KILL $(pidof rdmamig-agent)", Duration::from_secs(3)) {
                 Ok(_) => format!("at {} ms", at.as_millis()),
-                Err(_) => format!("at {} ms (the VM had stopped: not killed)", at.as_millis()),
+                Err(_) => format!(
+                    "at {} ms (no answer from the console within 3 s: the VM may have stopped)",
+                    at.as_millis()
+                ),
             }
         }
         Fault::DaemonRestarted => {
             std::thread::sleep(at);
             daemon
-                .restart_after_kill(bed.dir())
+                .restart_after_kill(bed.dir(), Some(config))
                 .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
             format!("at {} ms", at.as_millis())
         }
