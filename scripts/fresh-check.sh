@@ -13,7 +13,7 @@
 # toolchain) vanish with it, and every process started inside it (QEMU, the daemon, the test
 # bed's namespaces' holders) ends when it does, even when a step fails.
 #
-# Needs root, and the network the package registries are on. Takes about 40 minutes on
+# Needs root, and the network the package registries are on. Takes about 35 minutes on
 # 2 cores (docs/testbed.md has the measured figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
