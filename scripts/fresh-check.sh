@@ -209,4 +209,8 @@ if [ ${#failed[@]} -gt 0 ]; then
   echo "  logs: $work/demo.log, $work/test.log" >&2
   exit 1
 fi
-echo "fresh-machine check passed: the demo and the tests ran on a clean Debian 12 root"
+if [ "$demo_only" = true ]; then
+  echo "fresh-machine check passed: the demo ran on a clean Debian 12 root (tests not run: --demo-only)"
+else
+  echo "fresh-machine check passed: the demo and the tests ran on a clean Debian 12 root"
+fi
