@@ -10,6 +10,7 @@
 //! - [`console`]: the serial-console command protocol.
 //! - [`qmp`]: a minimal QMP client for the harness's own checks.
 //! - [`netns`]: the namespace, bridge and taps.
+//! - [`pki`]: a CA and certificates for daemons that talk over mutual TLS.
 //! - [`scenario`]: the move scenario the demo and the end-to-end tests run.
 //! - [`steps`]: steps the connection tests share (traffic, agent control, NIC swaps).
 //!
@@ -31,6 +32,7 @@ pub mod console;
 pub mod guest;
 pub mod kernel_log;
 pub mod netns;
+pub mod pki;
 pub mod qmp;
 pub mod scenario;
 pub mod steps;

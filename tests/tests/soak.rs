@@ -3,28 +3,39 @@
 //! traffic both ways, while faults chosen from a seed hit its moves at random points:
 //! - the guest agent killed (and started again once the move has ended);
 //! - the daemon killed and restarted (it finishes or rolls back the move from its journal);
-//! - a flood of idle connections on the daemon's API socket;
+//! - a flood of idle connections on the daemon's API socket and on its `[peer]` port;
 //! - a client that stops reading for the whole move (SIGSTOP);
-//! - the traffic processes restarted after the move (the flow that ends is checked).
+//! - the peer's traffic process killed during the move and started again: the moving VM's
+//!   program must be told (its connection fails, it is not left waiting), and what it got
+//!   before has no gap, duplicate or reordering; a new flow then starts.
 //!
 //! Every move plugs a function from the daemon's pool (`--from-pool`) and gives back the one
 //! it unplugs (`--source-function`). The seed is printed (`RDMAMIG_SOAK_SEED=<seed>` repeats
 //! a run), and so is each move's fault and outcome. At the end every move has a report in
 //! the daemon's history, every flow lost, duplicated and reordered nothing, the daemon still
-//! answers, and its pool is consistent: the function the VM has is attached to it, the other
-//! is free.
+//! answers on its API socket and on its `[peer]` port, and its pool is consistent: the
+//! function the VM has is attached to it, the other is free.
+//!
+//! `RDMAMIG_SOAK_FAULT=<fault>` (say `PeerTrafficRestarted`) injects that fault into every
+//! move, to chase one by hand.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rdmamig_migrator::destination::MoveRef;
+use rdmamig_migrator::peer::{self, PeerCall, PeerRequest, PeerTls, PEER_PROTOCOL_VERSION};
+use rdmamig_migrator::pool::KnownPeer;
+use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
-    finish_clean_flow, migrate_command_as, start_traffic, wait_ready, MoveGuests, STEP_TIMEOUT,
+    collect_report, finish_clean_flow, migrate_command_as, start_traffic, stop_traffic, wait_ready,
+    MoveGuests, STEP_TIMEOUT,
 };
 use rdmamig_testbed::{bin_dir, error_chain, Guest, Testbed};
 use serde_json::Value;
@@ -48,7 +59,7 @@ enum Fault {
     DaemonRestarted,
     ConnectionFlood,
     StoppedClient,
-    TrafficRestarted,
+    PeerTrafficRestarted,
 }
 
 const FAULTS: [Fault; 6] = [
@@ -57,8 +68,18 @@ const FAULTS: [Fault; 6] = [
     Fault::DaemonRestarted,
     Fault::ConnectionFlood,
     Fault::StoppedClient,
-    Fault::TrafficRestarted,
+    Fault::PeerTrafficRestarted,
 ];
+
+/// The soak's fixed parts: the bed, the daemon's config and its `[peer]` port, the peer VM.
+struct Scene<'a> {
+    bed: &'a Testbed,
+    config: PathBuf,
+    peer_port: u16,
+    peer: &'a Guest,
+    /// The options of the peer's traffic server.
+    peer_traffic: &'a str,
+}
 
 /// xorshift64*: the same seed, the same faults at the same points.
 struct Rng(u64);
@@ -90,11 +111,24 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     say(&format!(
         "soak: seed {seed} (RDMAMIG_SOAK_SEED={seed} repeats this run), {moves} moves"
     ));
+    let forced = std::env::var("RDMAMIG_SOAK_FAULT").ok().map(|name| {
+        *FAULTS
+            .iter()
+            .find(|f| format!("{f:?}") == name)
+            .unwrap_or_else(|| panic!("RDMAMIG_SOAK_FAULT={name}: not one of {FAULTS:?}"))
+    });
     let mut rng = Rng(seed);
 
     let bed = Testbed::new("soak").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let pki = Pki::new(&bed.dir().join("pki")).unwrap();
+    pki.issue("soak").unwrap();
+    let peer_port = free_port().unwrap();
     let config = bed.dir().join("rdmamig.toml");
-    std::fs::write(&config, POOL).unwrap();
+    let text = format!(
+        "{POOL}\n{}",
+        pki.peer_table("soak", Some(peer_port), &[("self", "soak", peer_port)])
+    );
+    std::fs::write(&config, text).unwrap();
     let mut daemon = Daemon::start_named(bed.dir(), "rdmamig", Some(&config))
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     // The pool function the VM has (none before its first move).
@@ -111,10 +145,18 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
         .start_flow_sides(&tag(flow), &peer_traffic, &vm_traffic)
         .unwrap();
     let MoveGuests { peer, src, dst } = guests;
+    let scene = Scene {
+        bed: &bed,
+        config,
+        peer_port,
+        peer: &peer,
+        peer_traffic: &peer_traffic,
+    };
     let (mut vm, mut next) = (src, Some(dst));
 
     for n in 1..=moves {
         let fault = FAULTS[rng.below(FAULTS.len() as u64) as usize];
+        let fault = forced.unwrap_or(fault);
         let at = Duration::from_millis(rng.below(3000));
         let dst = match next.take() {
             Some(dst) => dst,
@@ -139,7 +181,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let injected = inject(fault, at, &client, &mut daemon, &bed, &config, &vm);
+        let injected = inject(fault, at, &client, &mut daemon, &scene, &vm, flow);
         let out = wait_client(client, fault, daemon.socket());
         let report = newest_report(daemon.socket(), n);
         let outcome = report["final_phase"].as_str().unwrap_or("?").to_string();
@@ -149,12 +191,15 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             started.elapsed().as_millis(),
             if moved { "destination" } else { "source" }
         ));
-        // A move ends done or rolled back. One whose agent died after the quiesce ends
-        // failed past the point of no return: the VM runs on the destination, and its
-        // connections, which no resume reached, reconnect on their own.
+        // A move ends done or rolled back. Two faults may end it failed past the point of no
+        // return, the VM running on the destination: an agent that died after the quiesce
+        // (the connections, which no resume reached, reconnect on their own), and a peer
+        // program that died (its connection cannot resume, and the report says so).
         let expected = outcome == "done"
             || outcome == "rolled_back"
-            || (fault == Fault::AgentKilled && outcome == "failed" && moved);
+            || (outcome == "failed"
+                && moved
+                && matches!(fault, Fault::AgentKilled | Fault::PeerTrafficRestarted));
         assert!(
             expected,
             "move {n} ({fault:?}) ended {outcome}:\n{out}\n{report:#}"
@@ -183,22 +228,16 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             .unwrap();
             std::thread::sleep(Duration::from_secs(PEER_WAIT_S + 4));
         }
-        if fault == Fault::TrafficRestarted {
-            finish_clean_flow(&vm, "moving VM", &peer, &tag(flow));
+        if fault == Fault::PeerTrafficRestarted {
+            check_broken_flow(&vm, &tag(flow));
+            // The peer's new server (started by `inject`) takes the VM's new program.
             flow += 1;
             let server = format!("{}:7471", peer.spec().address());
             start_traffic(
-                &peer,
+                &vm,
                 &tag(flow),
-                &format!("serve --listen {server} {peer_traffic}"),
+                &format!("connect --to {server} {vm_traffic}"),
             )
-            .and_then(|()| {
-                start_traffic(
-                    &vm,
-                    &tag(flow),
-                    &format!("connect --to {server} {vm_traffic}"),
-                )
-            })
             .and_then(|()| wait_ready(&peer, &tag(flow)))
             .and_then(|()| wait_ready(&vm, &tag(flow)))
             .unwrap();
@@ -226,6 +265,66 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             assert_eq!(state["state"], "free", "{pool:#}");
         }
     }
+    let answer = peer_call(&pki, peer_port);
+    say(&format!("soak: the [peer] port answers: {answer}"));
+}
+
+/// The VM's program of a flow whose peer program was killed: it must have been told (its
+/// connection fails once the peer refuses the resume or `peer_wait` passes), and what it
+/// received before has no gap, duplicate or reordering.
+fn check_broken_flow(vm: &Guest, tag: &str) {
+    std::thread::sleep(Duration::from_secs(PEER_WAIT_S + 2));
+    let report = stop_traffic(vm, tag)
+        .and_then(|()| collect_report(vm, tag))
+        .unwrap_or_else(|e| panic!("{tag}: the VM's traffic report: {e}"));
+    say(&format!(
+        "soak: {tag} (its peer killed): received {}, errors {:?}",
+        report.received, report.errors
+    ));
+    assert_eq!(report.lost, 0, "{report:?}");
+    assert_eq!(report.duplicated, 0, "{report:?}");
+    assert_eq!(report.reordered, 0, "{report:?}");
+    assert!(
+        !report.errors.is_empty(),
+        "the VM's program was not told that its peer died: {report:?}"
+    );
+}
+
+/// Asks the daemon, over its `[peer]` port and mutual TLS, to release a function it does not
+/// have: any answer shows that the port still serves. Returns the answer, in words.
+fn peer_call(pki: &Pki, port: u16) -> String {
+    let known = KnownPeer {
+        name: "self".into(),
+        cert: pki.file("soak", "pem"),
+        address: Some(format!("127.0.0.1:{port}")),
+    };
+    let tls = PeerTls::load(
+        &pki.file("soak", "pem"),
+        &pki.file("soak", "key"),
+        &pki.file("ca", "pem"),
+        &[known],
+    )
+    .unwrap();
+    let target = tls.resolve("self").unwrap();
+    let request = PeerRequest {
+        version: PEER_PROTOCOL_VERSION,
+        deadline_ms: 5000,
+        call: PeerCall::Release {
+            function: "no-such-function".into(),
+            of: MoveRef {
+                move_id: "soak-probe".into(),
+                vm: VM.into(),
+            },
+        },
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let answer = runtime
+        .block_on(peer::call(&tls, &target, &request))
+        .unwrap_or_else(|e| panic!("the [peer] port does not serve: {}", error_chain(&e)));
+    format!("{answer:?}")
 }
 
 /// Prints to the test's stderr even when the test passes (the test harness captures only
@@ -245,12 +344,12 @@ fn inject(
     at: Duration,
     client: &Child,
     daemon: &mut Daemon,
-    bed: &Testbed,
-    config: &Path,
+    scene: &Scene,
     vm: &Guest,
+    flow: usize,
 ) -> String {
     match fault {
-        Fault::None | Fault::TrafficRestarted => String::new(),
+        Fault::None => String::new(),
         Fault::AgentKilled => {
             std::thread::sleep(at);
             // Once the VM has stopped on the source its console no longer answers, and the
@@ -266,22 +365,33 @@ fn inject(
         Fault::DaemonRestarted => {
             std::thread::sleep(at);
             daemon
-                .restart_after_kill(bed.dir(), Some(config))
+                .restart_after_kill(scene.bed.dir(), Some(&scene.config))
                 .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
             format!("at {} ms", at.as_millis())
         }
         Fault::ConnectionFlood => {
             std::thread::sleep(at);
+            // From a thread of its own, so that the move goes on meanwhile: past the peer
+            // listener's places and backlog, connects wait for SYN-ACKs that do not come.
             let socket = daemon.socket().to_path_buf();
-            let flood: Vec<UnixStream> = (0..300)
-                .filter_map(|_| UnixStream::connect(&socket).ok())
-                .collect();
-            let held = flood.len();
+            let address = SocketAddr::from(([127, 0, 0, 1], scene.peer_port));
             std::thread::spawn(move || {
+                let local: Vec<UnixStream> = (0..300)
+                    .filter_map(|_| UnixStream::connect(&socket).ok())
+                    .collect();
+                let remote: Vec<TcpStream> = (0..300)
+                    .filter_map(|_| {
+                        TcpStream::connect_timeout(&address, Duration::from_millis(500)).ok()
+                    })
+                    .collect();
+                say(&format!(
+                    "soak: flood: {} of 300 API and {} of 300 [peer] connections held for 3 s",
+                    local.len(),
+                    remote.len()
+                ));
                 std::thread::sleep(Duration::from_secs(3));
-                drop(flood);
             });
-            format!("at {} ms ({held} idle connections for 3 s)", at.as_millis())
+            format!("at {} ms", at.as_millis())
         }
         Fault::StoppedClient => {
             // Once the daemon runs the move the client asked for.
@@ -292,6 +402,23 @@ fn inject(
             }
             signal(client, libc::SIGSTOP);
             "once the move ran, for the rest of it".into()
+        }
+        Fault::PeerTrafficRestarted => {
+            std::thread::sleep(at);
+            let peer = scene.peer;
+            peer.run_ok(
+                &format!("kill -KILL $(cat /tmp/{}.pid)", tag(flow)),
+                STEP_TIMEOUT,
+            )
+            .unwrap();
+            let server = format!("{}:7471", peer.spec().address());
+            start_traffic(
+                peer,
+                &tag(flow + 1),
+                &format!("serve --listen {server} {}", scene.peer_traffic),
+            )
+            .unwrap();
+            format!("at {} ms (killed, a new server started)", at.as_millis())
         }
     }
 }

@@ -17,78 +17,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
 use serde_json::Value;
 
 const TAG: &str = "flow";
-
-/// A CA in `dir` and the certificates it issues (for `localhost` and 127.0.0.1).
-struct Pki {
-    dir: PathBuf,
-    ca: rcgen::Certificate,
-    ca_key: KeyPair,
-}
-
-impl Pki {
-    fn new(dir: &Path) -> Pki {
-        std::fs::create_dir_all(dir).unwrap();
-        let ca_key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(vec!["rdmamig test CA".into()]).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca = params.self_signed(&ca_key).unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
-        Pki {
-            dir: dir.into(),
-            ca,
-            ca_key,
-        }
-    }
-
-    /// Issues the certificate and key `<dir>/<name>.{pem,key}`.
-    fn issue(&self, name: &str) {
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
-        std::fs::write(self.dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-        std::fs::write(self.dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
-    }
-
-    /// A `[peer]` table for host `name`, listening on `listen` if given, knowing `known`
-    /// (name, whose certificate, address).
-    fn peer_table(&self, name: &str, listen: Option<u16>, known: &[(&str, &str, u16)]) -> String {
-        let dir = self.dir.display();
-        let mut text = format!(
-            "[peer]\ncert = \"{dir}/{name}.pem\"\nkey = \"{dir}/{name}.key\"\nca = \"{dir}/ca.pem\"\n"
-        );
-        if let Some(port) = listen {
-            text.push_str(&format!("listen = \"127.0.0.1:{port}\"\n"));
-        }
-        for (peer, cert, port) in known {
-            text.push_str(&format!(
-                "\n[[peer.known]]\nname = \"{peer}\"\ncert = \"{dir}/{cert}.pem\"\n\
-                 address = \"127.0.0.1:{port}\"\n"
-            ));
-        }
-        text
-    }
-}
-
-/// A loopback port nobody listens on right now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(format!("{name}.toml"));
@@ -147,11 +82,11 @@ fn pool_state(daemon: &Daemon, name: &str) -> Value {
 #[test]
 fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back() {
     let bed = Testbed::new("twomigrators").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let pki = Pki::new(&bed.dir().join("pki"));
+    let pki = Pki::new(&bed.dir().join("pki")).unwrap();
     for host in ["source", "destination", "full", "stranger"] {
-        pki.issue(host);
+        pki.issue(host).unwrap();
     }
-    let (destination_port, full_port) = (free_port(), free_port());
+    let (destination_port, full_port) = (free_port().unwrap(), free_port().unwrap());
     // The source lists the destination twice: as `dst` with its real certificate, and as
     // `impostor` with another host's, at the same address.
     let source_config = format!(
