@@ -12,8 +12,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use rdmamig_proto::agent::{
-    AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
-    DeviceHolder,
+    printable, AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo,
+    ConnectionOutcome, DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN,
 };
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use rdmamig_vmm::AgentStream;
@@ -138,6 +138,11 @@ pub trait GuestAgent: Send {
         &mut self,
         deadline: Duration,
     ) -> Result<Vec<ConnectionInfo>, AgentError>;
+    /// Every process in the guest that holds an RDMA device without the library.
+    async fn list_unmanaged(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<UnmanagedProgram>, AgentError>;
     /// Quiesces every connection; `known` are the connections the host listed.
     async fn quiesce(
         &mut self,
@@ -152,9 +157,11 @@ pub trait GuestAgent: Send {
         deadline: Duration,
     ) -> Result<Outcomes, AgentError>;
 
-    /// The forced release of the RDMA device (see [`AgentClient::release_device`]).
+    /// Makes the holders of the RDMA device in `scope` let go (see
+    /// [`AgentClient::release_device`]).
     async fn release_device(
         &mut self,
+        scope: ReleaseScope,
         grace: Duration,
         deadline: Duration,
     ) -> Result<Vec<DeviceHolder>, AgentError>;
@@ -171,6 +178,13 @@ impl GuestAgent for AgentClient {
         deadline: Duration,
     ) -> Result<Vec<ConnectionInfo>, AgentError> {
         AgentClient::list_connections(self, deadline).await
+    }
+
+    async fn list_unmanaged(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<UnmanagedProgram>, AgentError> {
+        AgentClient::list_unmanaged(self, deadline).await
     }
 
     async fn quiesce(
@@ -192,10 +206,11 @@ impl GuestAgent for AgentClient {
 
     async fn release_device(
         &mut self,
+        scope: ReleaseScope,
         grace: Duration,
         deadline: Duration,
     ) -> Result<Vec<DeviceHolder>, AgentError> {
-        AgentClient::release_device(self, grace, deadline).await
+        AgentClient::release_device(self, scope, grace, deadline).await
     }
 }
 
@@ -261,6 +276,26 @@ impl AgentClient {
         }
     }
 
+    /// Every process in the guest that holds an RDMA device without the library. What the
+    /// guest says is untrusted: command lines are made [`printable`] again here.
+    pub async fn list_unmanaged(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Vec<UnmanagedProgram>, AgentError> {
+        match self.request(AgentCommand::ListUnmanaged, deadline).await? {
+            AgentResult::Unmanaged { mut programs } => {
+                for program in &mut programs {
+                    program.command = printable(&program.command, COMMAND_LEN);
+                    for device in &mut program.devices {
+                        *device = printable(device, COMMAND_LEN);
+                    }
+                }
+                Ok(programs)
+            }
+            other => Err(unexpected("list unmanaged programs", &other)),
+        }
+    }
+
     /// Quiesces every connection; `known` are the connections the host listed.
     ///
     /// The agent is given a little less than `deadline` so that its answer arrives in time.
@@ -296,12 +331,14 @@ impl AgentClient {
     /// (untrusted: for the timeline only, the host acts on none of them).
     pub async fn release_device(
         &mut self,
+        scope: ReleaseScope,
         grace: Duration,
         deadline: Duration,
     ) -> Result<Vec<DeviceHolder>, AgentError> {
         let command = AgentCommand::ReleaseDevice {
             grace_ms: millis(grace),
             deadline_ms: agent_budget(deadline),
+            scope,
         };
         match self.request(command, deadline).await? {
             AgentResult::Released { holders } => Ok(holders),
@@ -393,6 +430,7 @@ fn command_name(command: &AgentCommand) -> &'static str {
     match command {
         AgentCommand::Ping => "ping",
         AgentCommand::ListConnections => "list connections",
+        AgentCommand::ListUnmanaged => "list unmanaged programs",
         AgentCommand::Quiesce { .. } => "quiesce",
         AgentCommand::Resume { .. } => "resume",
         AgentCommand::ReleaseDevice { .. } => "release the device",
@@ -403,6 +441,7 @@ fn result_kind(result: &AgentResult) -> &'static str {
     match result {
         AgentResult::Pong { .. } => "pong",
         AgentResult::Connections { .. } => "connections",
+        AgentResult::Unmanaged { .. } => "unmanaged programs",
         AgentResult::Outcomes { .. } => "outcomes",
         AgentResult::Released { .. } => "released",
         AgentResult::Error { .. } => "error",

@@ -96,6 +96,9 @@ pub struct MoveSummary {
     pub total_ms: u64,
     /// The error, if it failed.
     pub error: Option<String>,
+    /// Unmanaged programs the move ended or broke.
+    #[serde(default)]
+    pub casualties: usize,
 }
 
 /// What the daemon sends back.

@@ -20,6 +20,7 @@ use crate::plan::MovePlan;
 use crate::pool::{Attachment, FunctionState};
 use crate::svg::{timeline_svg, SvgError};
 use crate::timeline::PhaseOutcome;
+use crate::unmanaged::Fate;
 
 /// Why the CLI could not get a move done (as opposed to a move that ran and failed).
 #[derive(Debug, Error)]
@@ -250,9 +251,14 @@ pub fn render_answer(answer: &DaemonMessage) -> String {
                 let _ = writeln!(text, "no move has ended yet");
             }
             for m in moves {
+                let casualties = if m.casualties > 0 {
+                    format!(" ({} unmanaged programs ended or broken)", m.casualties)
+                } else {
+                    String::new()
+                };
                 let _ = writeln!(
                     text,
-                    "{}  vm {}  {}  {} ms{}",
+                    "{}  vm {}  {}{casualties}  {} ms{}",
                     m.id,
                     m.vm,
                     m.outcome,
@@ -423,12 +429,33 @@ pub fn render_report(report: &MoveReport) -> String {
             "the migrator restarted during {phase} and finished this move from its journal"
         );
     }
+    for program in &report.unmanaged {
+        let fate = match program.fate {
+            Fate::Untouched => "untouched (still running)".to_string(),
+            Fate::Ended => format!(
+                "ENDED by the move ({})",
+                program.action.as_deref().unwrap_or("no action given")
+            ),
+            Fate::NotEnded => format!(
+                "could not be ended ({})",
+                program.action.as_deref().unwrap_or("no action given")
+            ),
+            Fate::Broken => "BROKEN by the move (its device was unplugged)".to_string(),
+        };
+        let _ = writeln!(text, "unmanaged program {}: {fate}", program.named());
+    }
     let error = report.error.as_deref().unwrap_or("no error given");
     match report.final_phase {
         Phase::Done => {
+            let casualties = report.casualties().count();
+            let but = if casualties > 0 {
+                format!(", but it ended or broke {casualties} unmanaged RDMA program(s) (above)")
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 text,
-                "move {} done in {} ms; {location}",
+                "move {} done in {} ms{but}; {location}",
                 report.id, report.timeline.total_ms
             );
         }
@@ -566,7 +593,7 @@ mod tests {
                 reattach: None,
                 from_pool: false,
                 source_function: None,
-                force_release: false,
+                unmanaged: None,
                 via: "unix:/m".into(),
                 limits: Default::default(),
                 strategy: Strategy::Naive,
@@ -596,6 +623,7 @@ mod tests {
             quiesce: vec![],
             resume: vec![],
             migration: None,
+            unmanaged: vec![],
         };
         let text = render_report(&report);
         assert!(

@@ -39,6 +39,7 @@ use crate::metrics::Metrics;
 use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
 use crate::peer::Destination;
 use crate::plan::MovePlan;
+use crate::pool::MovesConfig;
 use crate::retention::{self, Retention};
 use crate::strategy::choose_for;
 use crate::timeline::unix_ms;
@@ -62,6 +63,8 @@ pub struct DaemonConfig {
     pub state_dir: PathBuf,
     /// How many moves may run at once.
     pub max_moves: usize,
+    /// The defaults of moves (`[moves]` in the config file).
+    pub moves: MovesConfig,
     /// How moves reach VMMs and agents, and the boundary hook.
     pub context: MoveContext,
     /// Where to serve Prometheus metrics, if anywhere.
@@ -619,6 +622,7 @@ fn history(dir: &Path, limit: usize) -> Vec<MoveSummary> {
         .filter_map(|e| std::fs::read(e.path()).ok())
         .filter_map(|bytes| serde_json::from_slice::<MoveReport>(&bytes).ok())
         .map(|r| MoveSummary {
+            casualties: r.casualties().count(),
             id: r.id,
             vm: r.plan.vm,
             outcome: r.final_phase,
@@ -651,7 +655,9 @@ fn load_report(dir: &Path, id: &str) -> Result<MoveReport, String> {
         .map_err(|e| format!("the report {} is corrupt: {e}", path.display()))
 }
 
-async fn serve_move(mut channel: Channel<UnixStream>, plan: MovePlan, shared: Arc<Shared>) {
+async fn serve_move(mut channel: Channel<UnixStream>, mut plan: MovePlan, shared: Arc<Shared>) {
+    // Journaled as it runs: a recovery, and the report, see the policy this daemon chose.
+    plan.unmanaged.get_or_insert(shared.config.moves.unmanaged);
     if let Err(e) = plan.validate() {
         reject(&mut channel, format!("the plan cannot run: {e}")).await;
         return;
@@ -835,6 +841,7 @@ mod tests {
                 socket: dir.join("daemon.sock"),
                 state_dir: dir.into(),
                 max_moves: 4,
+                moves: MovesConfig::default(),
                 context: MoveContext {
                     backends: Arc::new(FakeBackends(FakeHost::new())),
                     pool: Arc::new(pool),

@@ -13,7 +13,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdmamig_proto::agent::{
-    ConnectionInfo, ConnectionOutcome, ConnectionState, DeviceHolder, Role,
+    ConnectionInfo, ConnectionOutcome, ConnectionState, DeviceHolder, ReleaseScope, Role,
+    UnmanagedProgram,
 };
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
@@ -68,6 +69,9 @@ pub struct HostState {
     /// After how many more checks of the source's devices the process holding the device
     /// lets go, so that its pending unplug completes; `None`: it never does.
     pub holder_lets_go_after: Option<usize>,
+    /// The guest's programs that hold the RDMA device without the library; a release
+    /// ends them.
+    pub unmanaged: Vec<UnmanagedProgram>,
 }
 
 /// A handle on the fake host; clones share it.
@@ -91,6 +95,7 @@ impl FakeHost {
             faults: HashMap::new(),
             unplug_pending: None,
             holder_lets_go_after: None,
+            unmanaged: Vec::new(),
         })))
     }
 
@@ -393,6 +398,16 @@ impl GuestAgent for FakeAgent {
             .collect())
     }
 
+    async fn list_unmanaged(
+        &mut self,
+        _deadline: Duration,
+    ) -> Result<Vec<UnmanagedProgram>, AgentError> {
+        if self.host.call("agent.list_unmanaged") == Some(Fault::Timeout) {
+            return Err(timed_out("list unmanaged programs"));
+        }
+        Ok(self.host.state().unmanaged.clone())
+    }
+
     async fn quiesce(
         &mut self,
         known: &[ConnectionId],
@@ -425,6 +440,7 @@ impl GuestAgent for FakeAgent {
 
     async fn release_device(
         &mut self,
+        _scope: ReleaseScope,
         _grace: Duration,
         _deadline: Duration,
     ) -> Result<Vec<DeviceHolder>, AgentError> {
@@ -432,14 +448,26 @@ impl GuestAgent for FakeAgent {
             return Err(timed_out("release the device"));
         }
         let mut state = self.host.state();
-        // The holder is gone: the pending unplug can complete.
-        state.faults.remove("src.remove_device");
-        Ok(vec![DeviceHolder {
-            pid: 4242,
-            program: "ibv_rc_pingpong".into(),
-            action: "SIGTERM".into(),
-            released: true,
-        }])
+        let mut holders: Vec<DeviceHolder> = std::mem::take(&mut state.unmanaged)
+            .into_iter()
+            .map(|program| DeviceHolder {
+                pid: program.pid,
+                program: program.command,
+                action: "SIGTERM".into(),
+                released: true,
+            })
+            .collect();
+        // The process that held a pending unplug (a library user that did not let go: it is
+        // no unmanaged program) is made to: the unplug can complete.
+        if state.unplug_pending.is_some() && state.faults.remove("src.remove_device").is_some() {
+            holders.push(DeviceHolder {
+                pid: 4242,
+                program: "ibv_rc_pingpong".into(),
+                action: "SIGTERM".into(),
+                released: true,
+            });
+        }
+        Ok(holders)
     }
 
     async fn resume(

@@ -14,6 +14,8 @@
 //! - [`strategy`]: which strategy a move runs (`auto` from VFIO's answer; `vfio-migrate`
 //!   refused for a function that cannot);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
+//! - [`unmanaged`]: the guest's RDMA programs without the library, and what a move did to
+//!   them;
 //! - [`destination`]: the destination end of a move behind one trait (this host, or another
 //!   migrator through [`peer`]);
 //! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
@@ -45,5 +47,6 @@ pub mod retention;
 pub mod strategy;
 pub mod svg;
 pub mod timeline;
+pub mod unmanaged;
 pub mod vfio;
 pub mod vfio_migrate;

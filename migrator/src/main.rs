@@ -14,7 +14,7 @@ use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, VmmBackends};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
-use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy};
+use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
 use rdmamig_migrator::retention::Retention;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
@@ -256,12 +256,18 @@ struct MigrateArgs {
     /// detach, back to the pool when the move is done, quarantined if the reset failed.
     #[arg(long)]
     source_function: Option<String>,
-    /// If the guest has not released the detached device by the detach deadline (a process
-    /// holds it), have the guest agent make the holders let go instead of rolling back:
-    /// processes using the rdmamig library quiesce again, any other is sent SIGTERM, then
-    /// SIGKILL after 1 s; the report names every PID. The detach may then take up to three
-    /// times its deadline. Off by default: without it such a move rolls back.
-    #[arg(long)]
+    /// What to do with programs in the guest that hold an RDMA device without the rdmamig
+    /// library (an rping, a raw-verbs tool): the move would break them. refuse: the move is
+    /// refused at prepare, naming them (and rolls back before the unplug if one appeared
+    /// since); release: they are ended (SIGTERM, SIGKILL after 1 s) right before the unplug,
+    /// and if the unplug still misses its deadline whatever holds the device is made to let
+    /// go (the detach may then take up to three times its deadline); ignore: the move goes
+    /// on and the report marks each as broken. Default: the daemon's [moves] unmanaged,
+    /// itself refuse by default.
+    #[arg(long, value_enum)]
+    unmanaged: Option<UnmanagedPolicy>,
+    /// The same as --unmanaged release (its name before that option existed).
+    #[arg(long, conflicts_with = "unmanaged")]
     force_release: bool,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
     #[arg(long)]
@@ -338,14 +344,14 @@ fn main() -> ExitCode {
             keep_moves,
             keep_moves_days,
         } => {
-            let (pool, peer) = match open_pool(config.as_deref(), &state_dir) {
+            let (pool, config) = match open_config(config.as_deref(), &state_dir) {
                 Ok(opened) => opened,
                 Err(e) => {
                     eprintln!("rdmamig daemon: {}", error_chain(&e));
                     return ExitCode::from(2);
                 }
             };
-            let (peer_listen, peers) = match peer_identity(peer) {
+            let (peer_listen, peers) = match peer_identity(config.peer) {
                 Ok(peer) => peer,
                 Err(e) => {
                     eprintln!("rdmamig daemon: [peer]: {}", error_chain(&e));
@@ -373,6 +379,7 @@ fn main() -> ExitCode {
                 socket,
                 state_dir,
                 max_moves: usize::from(max_moves),
+                moves: config.moves,
                 metrics,
                 peer_listen,
                 retention: Retention {
@@ -436,18 +443,18 @@ fn main() -> ExitCode {
     }
 }
 
-/// The pool from the config file (empty without one), its states from the state directory.
-/// Also the `[peer]` table, if the config has one.
-fn open_pool(
+/// The config file (defaults without one), and the pool it describes, with its states from
+/// the state directory.
+fn open_config(
     config: Option<&std::path::Path>,
     state_dir: &std::path::Path,
-) -> Result<(Pool, Option<PeerConfig>), PoolError> {
+) -> Result<(Pool, Config), PoolError> {
     let config = match config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
     let pool = Pool::open(&config.pool, &state_dir.join("pool.json"))?;
-    Ok((pool, config.peer))
+    Ok((pool, config))
 }
 
 /// Creates the state directory (owner only: journals and reports name VMs, devices and
@@ -548,7 +555,11 @@ fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
         reattach: args.reattach,
         from_pool: args.from_pool,
         source_function: args.source_function,
-        force_release: args.force_release,
+        unmanaged: if args.force_release {
+            Some(UnmanagedPolicy::Release)
+        } else {
+            args.unmanaged
+        },
         via: args.via,
         limits: MigrationLimits {
             downtime: args.downtime_ms.map(Duration::from_millis),

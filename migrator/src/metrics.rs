@@ -1,5 +1,5 @@
 //! Prometheus metrics of the daemon: moves by outcome, phase durations, the switching time
-//! the migrator saw, forced paths, running moves.
+//! the migrator saw, forced paths, unmanaged programs by fate, running moves.
 //!
 //! Kept as plain counters folded from each move's report and rendered in the text
 //! exposition format (version 0.0.4), served on a TCP address of the operator's choosing
@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 
 use crate::machine::Phase;
 use crate::mover::MoveReport;
+use crate::unmanaged::Fate;
 
 /// The daemon's counters.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -21,6 +22,7 @@ pub struct Metrics {
     forced: BTreeMap<&'static str, u64>,
     switching_ms: (u64, u64),
     recovered: u64,
+    unmanaged: BTreeMap<&'static str, u64>,
 }
 
 impl Metrics {
@@ -37,6 +39,9 @@ impl Metrics {
         }
         if report.recovered_from.is_some() {
             self.recovered += 1;
+        }
+        for program in &report.unmanaged {
+            *self.unmanaged.entry(program.fate.name()).or_default() += 1;
         }
         if report.final_phase == Phase::Done {
             let start = report
@@ -105,6 +110,16 @@ impl Metrics {
             "Moves a restarted daemon finished or rolled back from the journal.",
         );
         let _ = writeln!(body, "{name} {}", self.recovered);
+        let name = family(
+            "rdmamig_unmanaged_programs_total",
+            "counter",
+            "RDMA programs without the library that moves found, by what the move did to them \
+             (untouched, ended, not_ended, broken).",
+        );
+        for fate in [Fate::Untouched, Fate::Ended, Fate::NotEnded, Fate::Broken] {
+            let n = self.unmanaged.get(fate.name()).copied().unwrap_or(0);
+            let _ = writeln!(body, "{name}{{fate=\"{}\"}} {n}", fate.name());
+        }
         let name = family("rdmamig_moves_running", "gauge", "Moves in progress.");
         let _ = writeln!(body, "{name} {running}");
         // The HELP/TYPE lines were gathered first; interleave them with their samples.
@@ -139,6 +154,8 @@ mod tests {
     use crate::mover::{ForcedPath, VmLocation};
     use crate::plan::tests::plan;
     use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline};
+    use crate::unmanaged::ProgramReport;
+    use rdmamig_proto::agent::UnmanagedProgram;
     use serde_json::Map;
 
     fn report(final_phase: Phase, phases: &[(Phase, u64, u64)]) -> MoveReport {
@@ -179,6 +196,7 @@ mod tests {
             quiesce: vec![],
             resume: vec![],
             migration: None,
+            unmanaged: vec![],
         }
     }
 
@@ -189,7 +207,19 @@ mod tests {
             Phase::Done,
             &[(Phase::Detach, 100, 300), (Phase::Resume, 900, 1000)],
         ));
-        metrics.record(&report(Phase::RolledBack, &[(Phase::Detach, 0, 50)]));
+        let mut refused = report(Phase::RolledBack, &[(Phase::Detach, 0, 50)]);
+        let program = |pid, fate| ProgramReport {
+            program: UnmanagedProgram {
+                pid,
+                command: "rping -c".into(),
+                devices: vec!["rdma_cm".into()],
+                open_context: false,
+            },
+            fate,
+            action: None,
+        };
+        refused.unmanaged = vec![program(1, Fate::Untouched), program(2, Fate::Broken)];
+        metrics.record(&refused);
         let text = metrics.render(2);
         for line in [
             "# TYPE rdmamig_moves_total counter",
@@ -202,6 +232,9 @@ mod tests {
             "rdmamig_switching_ms_sum 900",
             "rdmamig_switching_ms_count 1",
             "rdmamig_moves_running 2",
+            "rdmamig_unmanaged_programs_total{fate=\"untouched\"} 1",
+            "rdmamig_unmanaged_programs_total{fate=\"broken\"} 1",
+            "rdmamig_unmanaged_programs_total{fate=\"ended\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line}\n{text}");
         }

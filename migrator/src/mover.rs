@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder, ReleaseScope};
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     vm_paused, ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase,
@@ -47,10 +47,11 @@ use crate::destination::{DestinationHost, LocalDestination, MoveRef};
 use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
 use crate::peer::{PeerError, PeerTls, RemoteDestination};
-use crate::plan::{Endpoint, MovePlan, Strategy};
+use crate::plan::{Endpoint, MovePlan, Strategy, UnmanagedPolicy};
 use crate::pool::{Attachment, Pool, PoolError};
 use crate::strategy::{choose_for, Choice, StrategyError};
 use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline, TimelineRecorder};
+use crate::unmanaged::{Fate, Found, ProgramReport};
 
 /// Time a phase may overrun its deadline before the runner gives up on it: every call inside
 /// a phase has its own deadline, so this only catches a call that ignores it.
@@ -251,6 +252,18 @@ pub struct MoveReport {
     pub resume: Vec<ConnectionOutcome>,
     /// The final migration sample (QEMU's total time, downtime, bytes).
     pub migration: Option<MigrationProgress>,
+    /// The programs that held an RDMA device without the library, and what the move did
+    /// to them.
+    #[serde(default)]
+    pub unmanaged: Vec<ProgramReport>,
+}
+
+impl MoveReport {
+    /// The unmanaged programs the move ended or broke (a `done` with these is no plain
+    /// success).
+    pub fn casualties(&self) -> impl Iterator<Item = &ProgramReport> {
+        self.unmanaged.iter().filter(|p| p.fate != Fate::Untouched)
+    }
 }
 
 /// Why one step inside a phase failed.
@@ -316,6 +329,21 @@ pub enum StepError {
         /// The phase.
         phase: Phase,
     },
+    /// Programs hold an RDMA device without the library, and the policy is `refuse`.
+    #[error(
+        "{count} program(s) in the guest hold an RDMA device without rdmamig's library, and \
+         the move would break them{since}: {named}. End them first, or move with --unmanaged \
+         release (ends them before the unplug) or --unmanaged ignore (moves anyway; the \
+         report marks them broken)"
+    )]
+    UnmanagedPrograms {
+        /// How many.
+        count: usize,
+        /// `" (started since prepare)"` when found right before the unplug.
+        since: &'static str,
+        /// Each, by PID, command line and device files.
+        named: String,
+    },
 }
 
 impl StepError {
@@ -330,7 +358,8 @@ impl StepError {
             | StepError::Pool(_)
             | StepError::VmState { .. }
             | StepError::ConnectionsLost { .. }
-            | StepError::Interrupted { .. } => false,
+            | StepError::Interrupted { .. }
+            | StepError::UnmanagedPrograms { .. } => false,
         }
     }
 }
@@ -524,6 +553,8 @@ struct Mover {
     /// Why the agent failed at the quiesce, when the move went on without it: its silence
     /// at the resume is then expected, not a failure.
     agent_lost: Option<String>,
+    /// The unmanaged programs found so far.
+    unmanaged: Found,
 }
 
 impl Mover {
@@ -562,6 +593,7 @@ impl Mover {
             function: None,
             source_reset: None,
             agent_lost: None,
+            unmanaged: Found::default(),
         }
     }
 
@@ -590,7 +622,14 @@ impl Mover {
             quiesce: self.quiesce,
             resume: self.resume,
             migration: self.migration,
+            unmanaged: self.unmanaged.finish(self.unplugging),
         }
+    }
+
+    /// The plan's policy for unmanaged programs (the daemon fills it in; a plan run
+    /// without a daemon gets the default).
+    fn unmanaged_policy(&self) -> UnmanagedPolicy {
+        self.plan.unmanaged.unwrap_or_default()
     }
 
     /// Decides, after a restart, whether the move goes forward or back, and does it.
@@ -661,11 +700,12 @@ impl Mover {
                 deadline_ms: millis(deadline),
             });
             // A forced release waits for the unplug, the release, then the unplug again.
-            let budget = if phase == Phase::Detach && self.plan.force_release {
-                deadline * 3
-            } else {
-                deadline
-            };
+            let budget =
+                if phase == Phase::Detach && self.unmanaged_policy() == UnmanagedPolicy::Release {
+                    deadline * 3
+                } else {
+                    deadline
+                };
             let body = self.body(phase, deadline);
             let result = match tokio::time::timeout(budget + GRACE, body).await {
                 Ok(result) => result,
@@ -1056,6 +1096,16 @@ impl Mover {
         }
         self.strategy = choice.strategy;
         self.chosen = Some(choice);
+        let source = self.source_vmm().await?;
+        let status = source.status().await?;
+        if !matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
+            return Err(StepError::VmState {
+                side: "source",
+                state: status.state,
+                expected: "not a VM that can migrate (neither running nor paused)",
+            });
+        }
+        details.insert("source_state".into(), status.state.into());
         let destination = self.destination()?;
         details.insert("destination".into(), destination.describe().into());
         // vfio-migrate plugs nothing: the destination VMM was started with its function.
@@ -1070,25 +1120,8 @@ impl Mover {
             details.insert("function".into(), function.clone().into());
             self.function = Some((function, attachment));
         }
-        let source = self.source_vmm().await?;
-        let status = source.status().await?;
-        if !matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
-            return Err(StepError::VmState {
-                side: "source",
-                state: status.state,
-                expected: "not a VM that can migrate (neither running nor paused)",
-            });
-        }
-        details.insert("source_state".into(), status.state.into());
-        destination
-            .prepare_receive(
-                &self.plan.destination,
-                &self.plan.via,
-                deadline.saturating_sub(start.elapsed()),
-            )
-            .await?;
-        details.insert("via".into(), self.plan.via.clone().into());
-
+        // The guest before the destination VMM is readied, which cannot be taken back: a
+        // refusal (unmanaged programs) leaves it as it was (a reservation is released).
         if self.strategy != Strategy::Naive {
             let (mut agent, version) = open_agent(
                 self.context.backends.as_ref(),
@@ -1106,8 +1139,32 @@ impl Mover {
                 connections: self.ids.clone(),
             })?;
             self.connections = connections;
+            let programs = agent
+                .list_unmanaged(deadline.saturating_sub(start.elapsed()))
+                .await;
             self.agent = Some(agent);
+            let programs = programs?;
+            details.insert("unmanaged".into(), programs.len().into());
+            self.unmanaged.add(programs);
+            if !self.unmanaged.is_empty() {
+                self.warn(format!(
+                    "unmanaged programs (policy {}): {}",
+                    self.unmanaged_policy(),
+                    self.unmanaged.named()
+                ));
+                if self.unmanaged_policy() == UnmanagedPolicy::Refuse {
+                    return Err(self.refusal(""));
+                }
+            }
         }
+        destination
+            .prepare_receive(
+                &self.plan.destination,
+                &self.plan.via,
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
+        details.insert("via".into(), self.plan.via.clone().into());
         Ok(Finished::ok(details))
     }
 
@@ -1184,11 +1241,12 @@ impl Mover {
         let source = self.source_vmm().await?;
         let mut details = Map::new();
         let mut outcome = PhaseOutcome::Ok;
+        self.settle_unmanaged(deadline, &mut details).await?;
         self.journal.append(&Record::Unplugging)?;
         self.unplugging = true;
         match source.remove_device(&self.plan.detach, deadline).await {
             Ok(()) => {}
-            Err(e) if e.is_timeout() && self.plan.force_release => {
+            Err(e) if e.is_timeout() && self.unmanaged_policy() == UnmanagedPolicy::Release => {
                 let (holders, reason) = self.force_release(deadline).await?;
                 outcome = PhaseOutcome::Forced { reason };
                 details.insert(
@@ -1225,7 +1283,72 @@ impl Mover {
         Ok(Finished { outcome, details })
     }
 
-    /// The forced release (`--force-release`), after the unplug missed its deadline: the
+    /// Right before the unplug, the unmanaged programs again (the quiesce may have taken a
+    /// while): under `release` they are ended now; under `refuse` one that started since
+    /// prepare fails the phase, which rolls back with the device still plugged. Without an
+    /// agent (a forced quiesce) there is no one to ask, and the unplug goes on.
+    async fn settle_unmanaged(
+        &mut self,
+        deadline: Duration,
+        details: &mut Map<String, Value>,
+    ) -> Result<(), StepError> {
+        let policy = self.unmanaged_policy();
+        if self.strategy == Strategy::Naive {
+            return Ok(());
+        }
+        let Some(agent) = self.agent.as_mut() else {
+            return Ok(());
+        };
+        let programs = match agent.list_unmanaged(deadline).await {
+            Ok(programs) => programs,
+            Err(e) => {
+                self.warn(format!(
+                    "the agent could not list unmanaged programs before the unplug ({}); \
+                     unplugging",
+                    error_chain(&e)
+                ));
+                return Ok(());
+            }
+        };
+        if programs.is_empty() {
+            return Ok(());
+        }
+        let new = self.unmanaged.add(programs);
+        match policy {
+            // Prepare refused any found then: these all started since.
+            UnmanagedPolicy::Refuse => Err(self.refusal(" (started since prepare)")),
+            UnmanagedPolicy::Release => {
+                let holders = agent
+                    .release_device(ReleaseScope::Unmanaged, RELEASE_GRACE, deadline)
+                    .await?;
+                self.unmanaged.released(&holders);
+                details.insert(
+                    "ended".into(),
+                    serde_json::to_value(&holders).unwrap_or_default(),
+                );
+                Ok(())
+            }
+            UnmanagedPolicy::Ignore => {
+                if new > 0 {
+                    self.warn(format!(
+                        "unmanaged programs started since prepare (policy ignore): {}",
+                        self.unmanaged.named()
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn refusal(&self, since: &'static str) -> StepError {
+        StepError::UnmanagedPrograms {
+            count: self.unmanaged.len(),
+            since,
+            named: self.unmanaged.named(),
+        }
+    }
+
+    /// The forced release (`--unmanaged release`), after the unplug missed its deadline: the
     /// agent makes every process that holds the RDMA device let go, and the forced path is
     /// recorded with each holder's PID, name and what was done to it.
     async fn force_release(
@@ -1239,7 +1362,9 @@ impl Mover {
                 self.context.backends.agent(source.as_ref()).await?
             }
         };
-        let holders = agent.release_device(RELEASE_GRACE, deadline).await;
+        let holders = agent
+            .release_device(ReleaseScope::AllHolders, RELEASE_GRACE, deadline)
+            .await;
         self.agent = Some(agent);
         let holders = holders?;
         let named = if holders.is_empty() {
@@ -1261,7 +1386,7 @@ impl Mover {
         };
         let reason = format!(
             "the guest did not release {} within {} ms (a process holds its device context): \
-             forced release (--force-release): {named}",
+             forced release (--unmanaged release): {named}",
             self.plan.detach,
             millis(deadline)
         );
@@ -1564,6 +1689,7 @@ mod tests {
     use crate::journal;
     use crate::plan::tests::plan;
     use crate::pool::FunctionState;
+    use rdmamig_proto::agent::UnmanagedProgram;
 
     struct Bed {
         host: FakeHost,
@@ -1803,15 +1929,16 @@ mod tests {
         let bed = Bed::new();
         bed.host.fail("src.remove_device", Fault::Timeout);
         let mut plan = plan();
-        plan.force_release = true;
+        plan.unmanaged = Some(UnmanagedPolicy::Release);
         let report = bed.run(plan).await;
         assert!(report.ok, "{report:#?}");
         assert_eq!(report.forced.len(), 1);
         assert_eq!(report.forced[0].phase, Phase::Detach);
         let reason = &report.forced[0].reason;
         assert!(
-            reason
-                .contains("forced release (--force-release): PID 4242 (ibv_rc_pingpong): SIGTERM"),
+            reason.contains(
+                "forced release (--unmanaged release): PID 4242 (ibv_rc_pingpong): SIGTERM"
+            ),
             "{reason}"
         );
         let detach = &report.timeline.phases[2];
@@ -1829,12 +1956,112 @@ mod tests {
         bed.host.fail("src.remove_device", Fault::Timeout);
         bed.host.fail("agent.release_device", Fault::Timeout);
         let mut plan = plan();
-        plan.force_release = true;
+        plan.unmanaged = Some(UnmanagedPolicy::Release);
         // The holder ends on its own a little later; the rollback waits for the removal.
         bed.host.state().holder_lets_go_after = Some(2);
         let report = bed.run(plan).await;
         assert_back_on_source(&bed, &report, true);
         assert_eq!(report.failed_phase, Some(Phase::Detach));
+    }
+
+    fn rping(pid: u32) -> UnmanagedProgram {
+        UnmanagedProgram {
+            pid,
+            command: "rping -c -a 10.77.0.3".into(),
+            devices: vec!["rdma_cm".into()],
+            open_context: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn unmanaged_programs_refuse_the_move_at_prepare_by_default() {
+        let bed = Bed::new();
+        bed.host.state().unmanaged = vec![rping(31)];
+        let report = bed.run(plan()).await;
+        assert_eq!(report.final_phase, Phase::RolledBack, "{report:#?}");
+        assert_eq!(report.failed_phase, Some(Phase::Prepare));
+        let error = report.error.as_deref().unwrap();
+        assert!(
+            error.contains("PID 31 (rping -c -a 10.77.0.3) on rdma_cm")
+                && error.contains("--unmanaged release"),
+            "{error}"
+        );
+        assert_eq!(report.unmanaged.len(), 1);
+        assert_eq!(report.unmanaged[0].fate, Fate::Untouched);
+        assert_eq!(report.casualties().count(), 0);
+        let calls = bed.calls();
+        // Nothing changed: no quiesce, no unplug, and the destination was not readied.
+        for call in [
+            "agent.quiesce",
+            "src.remove_device",
+            "agent.release_device",
+            "dst.prepare_incoming",
+        ] {
+            assert!(!calls.contains(&call.to_string()), "{call}: {calls:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn release_ends_unmanaged_programs_before_the_unplug() {
+        let bed = Bed::new();
+        bed.host.state().unmanaged = vec![rping(31)];
+        let mut plan = plan();
+        plan.unmanaged = Some(UnmanagedPolicy::Release);
+        let report = bed.run(plan).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.unmanaged[0].fate, Fate::Ended);
+        assert_eq!(report.unmanaged[0].action.as_deref(), Some("SIGTERM"));
+        assert!(report.forced.is_empty(), "{:?}", report.forced);
+        let calls = bed.calls();
+        let release = calls.iter().position(|c| c == "agent.release_device");
+        let unplug = calls.iter().position(|c| c == "src.remove_device");
+        assert!(release.unwrap() < unplug.unwrap(), "{calls:?}");
+        let detach = &report.timeline.phases[2];
+        assert_eq!(detach.details["ended"][0]["pid"], 31);
+    }
+
+    #[tokio::test]
+    async fn ignore_moves_and_marks_unmanaged_programs_broken() {
+        let bed = Bed::new();
+        bed.host.state().unmanaged = vec![rping(31)];
+        let mut plan = plan();
+        plan.unmanaged = Some(UnmanagedPolicy::Ignore);
+        let report = bed.run(plan).await;
+        assert!(report.ok, "{report:#?}");
+        assert_eq!(report.unmanaged[0].fate, Fate::Broken);
+        assert_eq!(report.casualties().count(), 1);
+        assert!(!bed.calls().contains(&"agent.release_device".to_string()));
+    }
+
+    #[tokio::test]
+    async fn a_program_started_after_prepare_rolls_back_before_the_unplug() {
+        let bed = Bed::new();
+        let host = bed.host.clone();
+        let boundary: BoundaryHook = Arc::new(move |phase| {
+            if phase == Phase::Quiesce {
+                host.state().unmanaged = vec![rping(32)];
+            }
+        });
+        let plan = plan();
+        let journal = Journal::create(bed.dir.path(), "m", &plan).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let report = run_move(
+            "m".into(),
+            plan,
+            journal,
+            bed.context(Some(boundary)),
+            events,
+        )
+        .await;
+        assert_back_on_source(&bed, &report, true);
+        assert_eq!(report.failed_phase, Some(Phase::Detach));
+        let error = report.error.as_deref().unwrap();
+        assert!(
+            error.contains("started since prepare") && error.contains("PID 32"),
+            "{error}"
+        );
+        assert!(!bed.calls().contains(&"src.remove_device".to_string()));
+        assert_eq!(report.unmanaged[0].fate, Fate::Untouched);
     }
 
     #[tokio::test]
@@ -2206,6 +2433,7 @@ mod trust_tests {
                 AgentCommand::ListConnections => AgentResult::Connections {
                     connections: vec![],
                 },
+                AgentCommand::ListUnmanaged => AgentResult::Unmanaged { programs: vec![] },
                 AgentCommand::Quiesce { .. } => {
                     let bytes = match misbehaviour {
                         Misbehaviour::Garbage => b"\x00\x01garbage that is no frame".to_vec(),

@@ -46,6 +46,32 @@ impl std::fmt::Display for Strategy {
     }
 }
 
+/// What a move does with programs in the guest that hold an RDMA device without rdmamig's
+/// library (unmanaged programs): the move would break them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum UnmanagedPolicy {
+    /// Refuse the move at prepare, before anything changes, naming the programs (and roll
+    /// back, before the unplug, if one appeared since).
+    #[default]
+    Refuse,
+    /// End them (SIGTERM, then SIGKILL after 1 s) right before the unplug; if the unplug
+    /// still misses its deadline, make whatever holds the device let go and wait again.
+    Release,
+    /// Move anyway; the report marks each of them as broken by the move.
+    Ignore,
+}
+
+impl std::fmt::Display for UnmanagedPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            UnmanagedPolicy::Refuse => "refuse",
+            UnmanagedPolicy::Release => "release",
+            UnmanagedPolicy::Ignore => "ignore",
+        })
+    }
+}
+
 /// One end of the move: which VMM runs the VM, how to reach it, and (for strategies that
 /// use it) how to reach the guest agent through it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,11 +286,10 @@ pub struct MovePlan {
     /// reset failed.
     #[serde(default)]
     pub source_function: Option<String>,
-    /// When the guest does not release the detached device in time (a process holds it):
-    /// have the agent make the holders let go (library processes quiesce again, others get
-    /// SIGTERM then SIGKILL) and wait for the unplug again, instead of rolling back.
+    /// What to do with unmanaged programs; `None`: the daemon's `[moves] unmanaged`. The
+    /// daemon fills it in when it admits the move, so the journal holds the policy that ran.
     #[serde(default)]
-    pub force_release: bool,
+    pub unmanaged: Option<UnmanagedPolicy>,
     /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
     pub via: String,
     /// The migration's own bounds, handed to the source VMM.
@@ -408,7 +433,7 @@ pub(crate) mod tests {
             reattach: None,
             from_pool: false,
             source_function: None,
-            force_release: false,
+            unmanaged: None,
             via: "unix:/d/mig.sock".into(),
             limits: MigrationLimits::default(),
             strategy: Strategy::Reconnect,

@@ -48,6 +48,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::plan::UnmanagedPolicy;
 use crate::timeline::unix_ms;
 use crate::vfio::{Sysfs, VfioFunction};
 
@@ -93,6 +94,19 @@ pub struct Config {
     /// Serving the destination's duties to other migrators (mutual TLS).
     #[serde(default)]
     pub peer: Option<PeerConfig>,
+    /// Defaults of the moves this daemon runs.
+    #[serde(default)]
+    pub moves: MovesConfig,
+}
+
+/// The `[moves]` table: what a move does when its client does not say.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MovesConfig {
+    /// What to do with programs that hold an RDMA device without the library
+    /// (`refuse`, `release` or `ignore`; `refuse` when not given).
+    #[serde(default)]
+    pub unmanaged: UnmanagedPolicy,
 }
 
 /// The `[peer]` table: where to listen, this host's certificate, the CA, the known peers.

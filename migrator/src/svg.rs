@@ -175,6 +175,7 @@ mod tests {
             quiesce: vec![],
             resume: vec![],
             migration: None,
+            unmanaged: vec![],
         };
         let svg = timeline_svg(&report).unwrap();
         assert!(svg.starts_with("<svg"), "{svg}");

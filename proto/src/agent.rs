@@ -26,6 +26,9 @@ pub enum AgentCommand {
     Ping,
     /// Every migratable connection registered in the guest.
     ListConnections,
+    /// Every process that holds an RDMA device and is not a library user: the programs a
+    /// move would break.
+    ListUnmanaged,
     /// Quiesce every connection and release the RDMA device, within the deadline.
     Quiesce {
         /// Time the agent may take, in milliseconds.
@@ -40,15 +43,32 @@ pub enum AgentCommand {
         /// Time the agent may take, in milliseconds.
         deadline_ms: u64,
     },
-    /// The forced release, after the unplug missed its deadline: make every process that
-    /// still holds an RDMA device let go. Processes using the connection library are asked to
-    /// quiesce again; any other is sent SIGTERM, then SIGKILL once `grace_ms` has passed.
+    /// Make every process that holds an RDMA device let go (policy `release`, before the
+    /// unplug and again if it misses its deadline). Processes using the connection library
+    /// are asked to quiesce again; any other is sent SIGTERM, then SIGKILL once `grace_ms`
+    /// has passed.
     ReleaseDevice {
         /// Time a signalled process has between SIGTERM and SIGKILL, in milliseconds.
         grace_ms: u64,
         /// Time the agent may take, in milliseconds.
         deadline_ms: u64,
+        /// Which holders.
+        #[serde(default)]
+        scope: ReleaseScope,
     },
+}
+
+/// Which processes a [`AgentCommand::ReleaseDevice`] makes let go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseScope {
+    /// Every holder: library processes quiesce again, others are ended (after the unplug
+    /// missed its deadline).
+    #[default]
+    AllHolders,
+    /// Only the unmanaged programs (before the unplug): a quiesced library process still
+    /// holds librdmacm's cached context until the unplug begins, and lets go of it then.
+    Unmanaged,
 }
 
 /// The agent's answer to one [`AgentRequest`].
@@ -80,6 +100,11 @@ pub enum AgentResult {
         outcomes: Vec<ConnectionOutcome>,
         /// Wall time the agent spent, in milliseconds.
         elapsed_ms: u64,
+    },
+    /// Answer to [`AgentCommand::ListUnmanaged`].
+    Unmanaged {
+        /// One entry per process.
+        programs: Vec<UnmanagedProgram>,
     },
     /// Answer to [`AgentCommand::ReleaseDevice`]: the processes that held an RDMA device.
     Released {
@@ -151,6 +176,41 @@ pub struct ConnectionInfo {
     pub bridge: bool,
 }
 
+/// A guest process that holds an RDMA device without rdmamig's library: a move breaks it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnmanagedProgram {
+    /// The process.
+    pub pid: u32,
+    /// Its command line (arguments joined by spaces, control characters replaced, at most
+    /// [`COMMAND_LEN`] characters).
+    pub command: String,
+    /// The RDMA device files it has open, by name (`uverbs0`, `rdma_cm`).
+    pub devices: Vec<String>,
+    /// It has a verbs context open (a `uverbs` node): the unplug cannot complete while it
+    /// runs. A process with only `rdma_cm` open loses its connections but does not hold
+    /// the unplug.
+    pub open_context: bool,
+}
+
+/// The longest command line an [`UnmanagedProgram`] carries.
+pub const COMMAND_LEN: usize = 200;
+
+/// `text` as one line a terminal can show safely: control characters (escape sequences,
+/// newlines, NULs) as `?`, at most `limit` characters, and `…` when it was cut. Both ends
+/// apply it to what the guest names: the agent to what it reads from `/proc`, the host to
+/// what the agent says.
+pub fn printable(text: &str, limit: usize) -> String {
+    let mut shown: String = text
+        .chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .take(limit)
+        .collect();
+    if text.chars().nth(limit).is_some() {
+        shown.push('…');
+    }
+    shown
+}
+
 /// A guest process that held an RDMA device when the forced release came, and what the
 /// agent did to it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -188,6 +248,7 @@ mod tests {
         for command in [
             AgentCommand::Ping,
             AgentCommand::ListConnections,
+            AgentCommand::ListUnmanaged,
             AgentCommand::Quiesce {
                 deadline_ms: 5000,
                 bridge: true,
@@ -196,6 +257,7 @@ mod tests {
             AgentCommand::ReleaseDevice {
                 grace_ms: 1000,
                 deadline_ms: 4000,
+                scope: ReleaseScope::Unmanaged,
             },
         ] {
             let req = AgentRequest { id: 3, command };
@@ -204,6 +266,13 @@ mod tests {
             fb.push(&bytes);
             assert_eq!(fb.pop().unwrap().decode::<AgentRequest>().unwrap(), req);
         }
+    }
+
+    #[test]
+    fn printable_text_has_no_control_characters_and_a_bound() {
+        assert_eq!(printable("rping\x1b[2J -c\n", 100), "rping?[2J -c?");
+        assert_eq!(printable("abcdef", 3), "abc…");
+        assert_eq!(printable("abc", 3), "abc");
     }
 
     #[test]

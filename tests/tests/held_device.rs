@@ -1,13 +1,14 @@
 //! An application holding its device context, on the test bed: a raw verbs user the agent
 //! does not know (`ibv_rc_pingpong`, see `steps::start_holder`) keeps the moving VM's RDMA
-//! device while rdmamig connections carry traffic. The unplug misses its deadline; the move
-//! was asked with `--force-release`, so instead of rolling back the migrator has the agent
-//! release the device: the holder gets SIGTERM (SIGKILL after 1 s if needed), the forced
-//! path is recorded with its PID, the pending unplug completes and the move goes on to the
-//! destination. The rdmamig connections lose, duplicate and reorder nothing.
+//! device while rdmamig connections carry traffic. The move was asked with `--force-release`
+//! (the old name of `--unmanaged release`), so the agent ends the holder right before the
+//! unplug (SIGTERM, SIGKILL after 1 s if needed), the report names it as ended, the unplug
+//! completes and the move goes on to the destination. The rdmamig connections lose,
+//! duplicate and reorder nothing.
 //!
-//! Without `--force-release` the same situation rolls back. The unplug the guest was asked
-//! for cannot be taken back: it completes whenever the holder lets go. The rollback waits for
+//! With `--unmanaged ignore` the holder stays, and the unplug misses its deadline: the move
+//! rolls back. The unplug the guest was asked for cannot be taken back: it completes whenever
+//! the holder lets go. The rollback waits for
 //! that, plugs the NIC back, and resumes the connections on the source
 //! (`a_held_device_rolls_back_and_the_vm_keeps_its_nic_once_the_holder_lets_go`). A holder
 //! that never lets go ends the rollback `failed`, saying so (`daemon_cli`'s
@@ -29,7 +30,7 @@ use serde_json::Value;
 const TAG: &str = "flow";
 
 #[test]
-fn a_held_device_is_released_by_force_and_the_move_completes_losing_nothing() {
+fn a_held_device_is_released_before_the_unplug_and_the_move_completes_losing_nothing() {
     let bed = Testbed::new("helddev").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let guests = MoveGuests::start(&bed, "hd").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
@@ -56,19 +57,23 @@ fn a_held_device_is_released_by_force_and_the_move_completes_losing_nothing() {
     let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     assert_eq!(report["final_phase"], "done", "{report:#}");
     assert_eq!(report["vm_location"], "destination");
-    assert_eq!(report["forced"][0]["phase"], "detach", "{report:#}");
-    let reason = report["forced"][0]["reason"].as_str().unwrap();
-    assert!(
-        reason.contains(&format!("PID {holder} (ibv_rc_pingpong): SIGTERM")),
-        "{reason}"
-    );
+    assert_eq!(report["plan"]["unmanaged"], "release", "{report:#}");
+    let program = &report["unmanaged"][0];
+    assert_eq!(program["pid"], holder, "{report:#}");
+    assert_eq!(program["fate"], "ended", "{report:#}");
+    assert_eq!(program["open_context"], true, "{report:#}");
     let detach = &report["timeline"]["phases"][2];
     assert_eq!(detach["phase"], "detach");
-    assert_eq!(detach["outcome"]["result"], "forced", "{detach:#}");
-    let released = &detach["details"]["forced_release"];
-    assert_eq!(released[0]["pid"], holder, "{detach:#}");
-    assert_eq!(released[0]["released"], true, "{detach:#}");
-    assert!(stdout.contains("forced release"), "{stdout}");
+    // Ended before the unplug, which then completed in time: no forced path.
+    assert_eq!(detach["outcome"]["result"], "ok", "{detach:#}");
+    let ended = &detach["details"]["ended"];
+    assert_eq!(ended[0]["pid"], holder, "{detach:#}");
+    assert_eq!(ended[0]["released"], true, "{detach:#}");
+    assert!(stdout.contains("ENDED by the move"), "{stdout}");
+    assert!(
+        stdout.contains("but it ended or broke 1 unmanaged"),
+        "{stdout}"
+    );
     // The traffic kept flowing after the move: more than the 2 s before it.
     assert!(peer_report.received > 3 * 100, "{peer_report:?}");
 }
@@ -85,7 +90,13 @@ fn a_held_device_rolls_back_and_the_vm_keeps_its_nic_once_the_holder_lets_go() {
 
     let report_path = bed.dir().join("move.json");
     let mut child = migrate_command(daemon.socket(), &src, &dst)
-        .args(["--deadline", "detach=2000", "--report"])
+        .args([
+            "--unmanaged",
+            "ignore",
+            "--deadline",
+            "detach=2000",
+            "--report",
+        ])
         .arg(&report_path)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -185,8 +185,9 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
         steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
         steps::wait_ready(&peer, "h")?;
         steps::wait_ready(&src, "h")?;
-        // A raw verbs user the agent does not know holds the NIC.
-        steps::start_holder(&src)?;
+        // A raw verbs user the agent does not know holds the NIC. By default the hook
+        // refuses, naming it, before anything changes.
+        let holder = steps::start_holder(&src)?;
         let mut pre = vmm_args(&src);
         pre.extend([
             "pre-migrate".into(),
@@ -195,6 +196,21 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
             "--detach-ms".into(),
             "2000".into(),
         ]);
+        let (code, report, output) = rdmamig_vmm(&pre)?;
+        eprintln!("pre-migrate with an unmanaged program: {output}");
+        assert_eq!(code, 1, "{output}");
+        let error = report["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains(&format!("PID {holder} (ibv_rc_pingpong"))
+                && error.contains("Nothing was changed"),
+            "{report}"
+        );
+        assert_eq!(report["unmanaged"][0]["pid"], holder, "{report}");
+        let links = src.run_ok("rdma link show", steps::STEP_TIMEOUT)?;
+        assert!(links.contains("ACTIVE"), "the NIC was touched: {links}");
+        src.run_ok(&format!("kill -0 {holder}"), steps::STEP_TIMEOUT)?;
+        // With ignore, the hook unplugs, and the unplug cannot complete.
+        pre.extend(["--unmanaged".into(), "ignore".into()]);
         let (code, report, output) = rdmamig_vmm(&pre)?;
         eprintln!("pre-migrate with a held NIC: {output}");
         assert_eq!(code, 1, "{output}");

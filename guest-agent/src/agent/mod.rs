@@ -5,6 +5,8 @@
 //! processes that use the connection library ([`apps`]): on a quiesce every connection of
 //! every process releases the RDMA device; on a resume the agent waits for the new device
 //! ([`device`]) and every connection reconnects. Each answer lists per-connection results.
+//! Programs that hold an RDMA device without the library are listed, and released when
+//! the move's policy says so ([`release`]).
 //!
 //! Everything is bounded by the deadline the host gives; nothing here waits forever.
 
@@ -61,6 +63,9 @@ impl Agent {
             AgentCommand::ListConnections => AgentResult::Connections {
                 connections: self.apps.describe(DESCRIBE_TIMEOUT),
             },
+            AgentCommand::ListUnmanaged => AgentResult::Unmanaged {
+                programs: release::unmanaged(&self.apps, &self.proc_root),
+            },
             AgentCommand::Quiesce {
                 deadline_ms,
                 bridge,
@@ -88,11 +93,13 @@ impl Agent {
             AgentCommand::ReleaseDevice {
                 grace_ms,
                 deadline_ms,
+                scope,
             } => {
                 let deadline = deadline_from(started, deadline_ms);
                 let holders = release::release(
                     &self.apps,
                     &self.proc_root,
+                    scope,
                     Duration::from_millis(grace_ms),
                     deadline,
                 );

@@ -2,8 +2,11 @@
 //! gains rdmamig by changing one command.
 //!
 //! - `pre-migrate` (on the source, before the workflow migrates): the guest agent quiesces
-//!   every RDMA connection and releases the NIC, then the NIC is hot-unplugged. If the
-//!   unplug does not complete (a process the agent does not know holds the NIC) the hook
+//!   every RDMA connection and releases the NIC, then the NIC is hot-unplugged. Programs
+//!   that hold an RDMA device without the library are found first, and `--unmanaged`
+//!   decides as for `rdmamig migrate`: refuse (the hook fails before anything changes),
+//!   release (they are ended before the unplug) or ignore (the report lists them as
+//!   broken). If the unplug does not complete (a process still holds the NIC) the hook
 //!   fails, so the workflow stops; it tries to resume the connections on the source and
 //!   reports whether that worked (on Linux the unplug stays pending and the port is already
 //!   down, so usually not: the holder must go, and the NIC with it).
@@ -27,7 +30,9 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
 use rdmamig_migrator::mover::{error_chain, Backends, VmmBackends};
-use rdmamig_migrator::plan::{EndpointFlags, Strategy};
+use rdmamig_migrator::plan::{EndpointFlags, Strategy, UnmanagedPolicy};
+use rdmamig_migrator::unmanaged::describe;
+use rdmamig_proto::agent::ReleaseScope;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::{DeviceSpec, TimeoutStrategy, Vmm};
 use serde_json::{json, Value};
@@ -117,6 +122,11 @@ enum Command {
         /// post-migrate has brought the RDMA path back.
         #[arg(long)]
         bridge: bool,
+        /// Programs holding an RDMA device without the rdmamig library: refuse (fail before
+        /// anything changes, naming them), release (end them before the unplug) or ignore
+        /// (unplug anyway; the report lists them as broken).
+        #[arg(long, value_enum, default_value_t = UnmanagedPolicy::Refuse)]
+        unmanaged: UnmanagedPolicy,
     },
     /// On the destination, after the migration: plug the new NIC, resume every connection.
     PostMigrate {
@@ -155,6 +165,10 @@ struct MigrateArgs {
     /// How the connections get through the move (as `rdmamig migrate --strategy`).
     #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
     strategy: Strategy,
+    /// Programs holding an RDMA device without the rdmamig library (as `rdmamig migrate
+    /// --unmanaged`; default: the daemon's [moves] unmanaged).
+    #[arg(long, value_enum)]
+    unmanaged: Option<UnmanagedPolicy>,
     /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
     #[arg(long, help_heading = "Destination VMM (one of)")]
     to_api_socket: Option<PathBuf>,
@@ -194,6 +208,9 @@ struct MigrateArgs {
 /// How far past the migration's own timeout the move's migrate deadline lies: the VMM's
 /// timeout strategy decides, not the deadline.
 const DEADLINE_PAST_TIMEOUT_S: u64 = 10;
+
+/// How long a released program has between SIGTERM and SIGKILL.
+const RELEASE_GRACE: Duration = Duration::from_secs(1);
 
 /// How long a failed pre-migrate tries to resume the connections on the source.
 const RESUME_ON_SOURCE: Duration = Duration::from_secs(3);
@@ -247,6 +264,7 @@ fn main() -> ExitCode {
             quiesce_ms,
             detach_ms,
             bridge,
+            unmanaged,
         } => (
             "pre-migrate",
             runtime.block_on(pre_migrate(
@@ -255,6 +273,7 @@ fn main() -> ExitCode {
                 Duration::from_millis(quiesce_ms),
                 Duration::from_millis(detach_ms),
                 bridge,
+                unmanaged,
             )),
         ),
         Command::PostMigrate { attach, resume_ms } => (
@@ -326,6 +345,7 @@ async fn pre_migrate(
     quiesce_deadline: Duration,
     detach_deadline: Duration,
     bridge: bool,
+    policy: UnmanagedPolicy,
 ) -> Result<Value, Failure> {
     let vmm = connect(args).await?;
     let start = Instant::now();
@@ -334,6 +354,23 @@ async fn pre_migrate(
         .list_connections(quiesce_deadline.saturating_sub(start.elapsed()))
         .await
         .map_err(|e| failed(error_chain(&e), Value::Null))?;
+    let unmanaged = agent
+        .list_unmanaged(quiesce_deadline.saturating_sub(start.elapsed()))
+        .await
+        .map_err(|e| failed(error_chain(&e), Value::Null))?;
+    let named: Vec<String> = unmanaged.iter().map(describe).collect();
+    if policy == UnmanagedPolicy::Refuse && !unmanaged.is_empty() {
+        return Err(failed(
+            format!(
+                "{} program(s) hold an RDMA device without rdmamig's library, and the move \
+                 would break them: {}. Nothing was changed. End them first, or run with \
+                 --unmanaged release (ends them) or --unmanaged ignore (breaks them)",
+                named.len(),
+                named.join("; ")
+            ),
+            json!({ "unmanaged": unmanaged }),
+        ));
+    }
     let ids: Vec<_> = connections.iter().map(|c| c.id).collect();
     let quiesced = agent
         .quiesce(
@@ -360,7 +397,20 @@ async fn pre_migrate(
         "not_quiesced": not_quiesced,
         "quiesce_ms": quiesce_ms,
         "device": detach,
+        "unmanaged_policy": policy.to_string(),
     });
+    if !unmanaged.is_empty() {
+        match policy {
+            UnmanagedPolicy::Release => {
+                let ended = agent
+                    .release_device(ReleaseScope::Unmanaged, RELEASE_GRACE, detach_deadline)
+                    .await
+                    .map_err(|e| failed(error_chain(&e), report.clone()))?;
+                report["ended"] = json!(ended);
+            }
+            _ => report["broken"] = json!(named),
+        }
+    }
     let unplug = Instant::now();
     if let Err(e) = vmm.remove_device(detach, detach_deadline).await {
         // The workflow must not migrate now. Try to give the connections back their NIC;
@@ -470,6 +520,9 @@ fn migrate(vmm: &VmmArgs, args: MigrateArgs) -> ExitCode {
         .arg(vmm.agent_port.to_string())
         .arg("--timeout-strategy")
         .arg(args.timeout_strategy.to_string());
+    if let Some(policy) = args.unmanaged {
+        command.args(["--unmanaged", &policy.to_string()]);
+    }
     let paths = [
         ("--qmp", &vmm.qmp),
         ("--agent", &vmm.agent),
