@@ -12,9 +12,11 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use rdmamig_proto::agent::{
-    printable, AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo,
-    ConnectionOutcome, DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN,
+    AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
+    DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN,
 };
+use rdmamig_proto::clock::millis;
+use rdmamig_proto::text::printable;
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use rdmamig_vmm::AgentStream;
 use thiserror::Error;
@@ -496,10 +498,6 @@ fn outcomes(
 fn agent_budget(deadline: Duration) -> u64 {
     let margin = (deadline / 10).min(Duration::from_millis(500));
     millis(deadline - margin)
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

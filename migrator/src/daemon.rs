@@ -36,13 +36,14 @@ use crate::journal::{self, Journal, JournalError};
 use crate::listen::{Admission, API_CONNECTIONS, METRICS_CONNECTIONS};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
-use crate::mover::{error_chain, recover, run_move, MoveContext, MoveEvent, MoveReport};
+use crate::mover::{recover, run_move, MoveContext, MoveEvent, MoveReport};
 use crate::peer::Destination;
 use crate::plan::MovePlan;
 use crate::pool::MovesConfig;
 use crate::retention::{self, Retention};
 use crate::strategy::choose_for;
-use crate::timeline::unix_ms;
+use rdmamig_proto::clock::unix_ms;
+use rdmamig_proto::text::error_chain;
 
 /// Time a client has to send its request after connecting.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);

@@ -147,7 +147,7 @@ impl Journal {
         let begin = Record::Begin {
             id: id.into(),
             plan: Box::new(plan.clone()),
-            unix_ms: crate::timeline::unix_ms(),
+            unix_ms: rdmamig_proto::clock::unix_ms(),
         };
         let mut line = serde_json::to_vec(&begin).map_err(|e| create(std::io::Error::other(e)))?;
         line.push(b'\n');
@@ -435,7 +435,7 @@ pub fn scan(dir: &Path) -> Result<Scan, JournalError> {
         match over {
             Some(over) => {
                 let mut to = path.clone().into_os_string();
-                to.push(format!(".{}.damaged", crate::timeline::unix_ms()));
+                to.push(format!(".{}.damaged", rdmamig_proto::clock::unix_ms()));
                 let to = PathBuf::from(to);
                 let renamed = std::fs::rename(&path, &to).map(|()| to);
                 scan.set_aside.push(SetAside {

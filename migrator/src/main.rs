@@ -12,11 +12,12 @@ use rdmamig_migrator::api::ClientRequest;
 use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
-use rdmamig_migrator::mover::{error_chain, BoundaryHook, MoveContext, VmmBackends};
+use rdmamig_migrator::mover::{BoundaryHook, MoveContext, VmmBackends};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
 use rdmamig_migrator::retention::Retention;
+use rdmamig_proto::text::error_chain;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::{DeviceSpec, MigrationLimits, TimeoutStrategy};
 

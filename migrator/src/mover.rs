@@ -32,6 +32,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder, ReleaseScope};
+use rdmamig_proto::clock::millis;
+use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     vm_paused, ChConfig, ChVmm, MigrationProgress, MigrationStatus, QemuConfig, QemuVmm, VmPhase,
@@ -390,18 +392,6 @@ pub enum MoveError {
     /// The runner asked the state machine for a step it does not allow (a bug).
     #[error("internal error")]
     Transition(#[from] InvalidTransition),
-}
-
-/// Formats an error and its causes as `outer: cause: root`.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(e) = cause {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        cause = e.source();
-    }
-    text
 }
 
 /// What a phase body hands back to the runner.
@@ -1676,10 +1666,6 @@ async fn within<T, E: Into<StepError>>(
         Ok(result) => result.map_err(Into::into),
         Err(_) => Err(StepError::Stalled),
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -37,9 +37,10 @@ use crate::agent::Outcomes;
 use crate::api::{ApiError, Channel};
 use crate::destination::{DestinationHost, LocalDestination, MoveRef, Plugged};
 use crate::listen::{Admission, PEER_CONNECTIONS};
-use crate::mover::{error_chain, Backends, StepError};
+use crate::mover::{Backends, StepError};
 use crate::plan::Endpoint;
 use crate::pool::{Attachment, KnownPeer, Pool};
+use rdmamig_proto::text::error_chain;
 
 /// The version of the peer protocol this build speaks (2: the source side, with deadlines,
 /// resume and discard).

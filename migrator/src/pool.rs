@@ -49,8 +49,8 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 
 use crate::plan::UnmanagedPolicy;
-use crate::timeline::unix_ms;
 use crate::vfio::{Sysfs, VfioFunction};
+use rdmamig_proto::clock::unix_ms;
 
 /// How long a reservation holds when the config does not say.
 const DEFAULT_RESERVATION_S: u64 = 300;
@@ -623,7 +623,7 @@ pub fn reset(attachment: &Attachment) -> Result<String, String> {
         Attachment::Vfio { pci } => VfioFunction::open(&Sysfs::default(), pci)
             .and_then(|f| f.reset())
             .map(|()| format!("{pci} reset"))
-            .map_err(|e| crate::mover::error_chain(&e)),
+            .map_err(|e| rdmamig_proto::text::error_chain(&e)),
         Attachment::Emulated { .. } => Ok("emulated: nothing to reset".into()),
     }
 }

@@ -11,11 +11,11 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::mover::error_chain;
 use crate::plan::{MovePlan, Strategy};
 use crate::pool::{Attachment, Pool};
 use crate::vfio::{Sysfs, VfioFunction};
 use crate::vfio_migrate::auto_picks_vfio_migrate;
+use rdmamig_proto::text::error_chain;
 
 /// The strategy a move runs, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

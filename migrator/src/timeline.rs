@@ -4,20 +4,13 @@
 //! applications in the guests and on peers logged; durations come from the monotonic clock,
 //! so a clock step during a move does not distort them.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
+use rdmamig_proto::clock::{millis, unix_ms};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::machine::Phase;
-
-/// Wall-clock milliseconds since the epoch.
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
 
 /// How a phase ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,10 +134,6 @@ impl TimelineRecorder {
         self.timeline.total_ms = self.elapsed_ms();
         self.timeline
     }
-}
-
-fn millis(d: std::time::Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

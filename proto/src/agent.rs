@@ -195,22 +195,6 @@ pub struct UnmanagedProgram {
 /// The longest command line an [`UnmanagedProgram`] carries.
 pub const COMMAND_LEN: usize = 200;
 
-/// `text` as one line a terminal can show safely: control characters (escape sequences,
-/// newlines, NULs) as `?`, at most `limit` characters, and `…` when it was cut. Both ends
-/// apply it to what the guest names: the agent to what it reads from `/proc`, the host to
-/// what the agent says.
-pub fn printable(text: &str, limit: usize) -> String {
-    let mut shown: String = text
-        .chars()
-        .map(|c| if c.is_control() { '?' } else { c })
-        .take(limit)
-        .collect();
-    if text.chars().nth(limit).is_some() {
-        shown.push('…');
-    }
-    shown
-}
-
 /// A guest process that held an RDMA device when the forced release came, and what the
 /// agent did to it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -266,13 +250,6 @@ mod tests {
             fb.push(&bytes);
             assert_eq!(fb.pop().unwrap().decode::<AgentRequest>().unwrap(), req);
         }
-    }
-
-    #[test]
-    fn printable_text_has_no_control_characters_and_a_bound() {
-        assert_eq!(printable("rping\x1b[2J -c\n", 100), "rping?[2J -c?");
-        assert_eq!(printable("abcdef", 3), "abc…");
-        assert_eq!(printable("abc", 3), "abc");
     }
 
     #[test]

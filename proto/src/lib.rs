@@ -8,10 +8,15 @@
 //!
 //! The layering follows mini-redis: [`frame`] turns bytes into frames (check, then parse,
 //! with an explicit "incomplete" outcome) and the typed messages ride inside a frame as JSON.
+//!
+//! Beside the messages, the two helpers every part shares: [`text`] (error chains, guest
+//! text made printable) and [`clock`] (milliseconds).
 
 pub mod agent;
 pub mod app;
+pub mod clock;
 pub mod frame;
+pub mod text;
 
 pub use frame::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
 

@@ -38,16 +38,8 @@ pub mod scenario;
 pub mod steps;
 pub mod testbed;
 
-/// Formats an error with its chain of causes, one per line, for test failure messages.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(&format!("\n  caused by: {cause}"));
-        source = cause.source();
-    }
-    text
-}
+/// An error and its causes on one line, for test failure messages.
+pub use rdmamig_proto::text::error_chain;
 
 pub use console::{CommandOutput, ConsoleError};
 pub use guest::{Guest, GuestError, GuestSpec, NicModel};
@@ -56,9 +48,4 @@ pub use testbed::{bin_dir, GuestBinaries, Testbed, TestbedBuilder, TestbedError}
 
 /// Wall-clock milliseconds since the Unix epoch, the time base shared with the guests'
 /// traffic reports and the migrator's timeline.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use rdmamig_proto::clock::unix_ms;

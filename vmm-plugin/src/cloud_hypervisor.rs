@@ -27,6 +27,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
+use rdmamig_proto::clock::millis;
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::task::JoinHandle;
@@ -114,10 +115,6 @@ struct Info {
     state: String,
     #[serde(default)]
     device_tree: BTreeMap<String, Value>,
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl ChVmm {

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
+use rdmamig_proto::clock::millis;
 use serde_json::{json, Value};
 use tokio::net::UnixStream;
 
@@ -273,10 +274,6 @@ fn qemu_phase(state: &str) -> VmPhase {
         "postmigrate" => VmPhase::Migrated,
         _ => VmPhase::Other,
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[async_trait]

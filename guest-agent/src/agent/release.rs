@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use rdmamig_proto::agent::{printable, DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN};
+use rdmamig_proto::agent::{DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN};
 use rdmamig_proto::app::AgentToApp;
+use rdmamig_proto::text::printable;
 use tracing::warn;
 
 use super::apps::Apps;

@@ -1,5 +1,6 @@
 //! `rdmamig-agent`: the rdmamig guest agent daemon.
 
+use rdmamig_proto::text::error_chain;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -94,16 +95,4 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-/// "outer: inner: cause", the error and its sources on one line.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

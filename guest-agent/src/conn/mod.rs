@@ -353,9 +353,7 @@ pub enum ConnError {
 }
 
 /// An error and its causes on one line (`a: b: c`), as tools print it.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    worker::error_chain(e)
-}
+pub use rdmamig_proto::text::error_chain;
 
 /// Counters of one connection, for tools and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

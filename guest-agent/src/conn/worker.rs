@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{ConnectionState, Role};
+pub(crate) use rdmamig_proto::text::error_chain;
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
 use tokio::runtime::Handle;
@@ -478,17 +479,6 @@ impl From<VerbsError> for AttemptError {
     fn from(e: VerbsError) -> Self {
         transient(error_chain(&e))
     }
-}
-
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 /// Takes a readiness tokio reported: clears it, so the next one comes from an edge after

@@ -163,12 +163,7 @@ pub fn decode_message(m: &[u8]) -> Option<(u64, u64)> {
 }
 
 /// Milliseconds since the UNIX epoch.
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use rdmamig_proto::clock::unix_ms;
 
 fn unix_us() -> u64 {
     SystemTime::now()

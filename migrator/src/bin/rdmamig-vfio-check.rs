@@ -11,8 +11,8 @@
 
 use std::process::ExitCode;
 
-use rdmamig_migrator::mover::error_chain;
 use rdmamig_migrator::vfio::{DmaBuffer, Sysfs, VfioFunction};
+use rdmamig_proto::text::error_chain;
 use serde_json::{json, Map, Value};
 
 /// Where the DMA check maps its buffer.

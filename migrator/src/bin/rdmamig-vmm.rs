@@ -29,10 +29,12 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
-use rdmamig_migrator::mover::{error_chain, Backends, VmmBackends};
+use rdmamig_migrator::mover::{Backends, VmmBackends};
 use rdmamig_migrator::plan::{EndpointFlags, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::unmanaged::describe;
 use rdmamig_proto::agent::ReleaseScope;
+use rdmamig_proto::clock::millis;
+use rdmamig_proto::text::error_chain;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
 use rdmamig_vmm::{DeviceSpec, TimeoutStrategy, Vmm};
 use serde_json::{json, Value};
@@ -333,10 +335,6 @@ async fn agent(vmm: &dyn Vmm, budget: Duration) -> Result<AgentClient, Failure> 
         .await
         .map_err(|e| failed(format!("the guest agent: {}", error_chain(&e)), Value::Null))?;
     Ok(agent)
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 async fn pre_migrate(
