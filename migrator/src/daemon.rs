@@ -32,6 +32,7 @@ use tokio::task::JoinSet;
 use crate::api::{
     ApiError, Channel, ClientRequest, DaemonMessage, HeldVm, MoveSummary, RunningMove,
 };
+use crate::config::MovesConfig;
 use crate::journal::{self, Journal, JournalError};
 use crate::listen::{Admission, API_CONNECTIONS, METRICS_CONNECTIONS};
 use crate::machine::Phase;
@@ -39,7 +40,6 @@ use crate::metrics::Metrics;
 use crate::mover::{recover, run_move, MoveContext, MoveEvent, MoveReport};
 use crate::peer::Destination;
 use crate::plan::MovePlan;
-use crate::pool::MovesConfig;
 use crate::retention::{self, Retention};
 use crate::strategy::choose_for;
 use rdmamig_proto::clock::unix_ms;
@@ -221,13 +221,13 @@ impl Shared {
         lock(&self.metrics).record(report);
         let path = self.moves_dir().join(format!("{}.json", report.id));
         let text = serde_json::to_string_pretty(report).unwrap_or_default() + "\n";
-        if let Err(e) = journal::write_durably(&path, text.as_bytes()) {
+        if let Err(e) = crate::durable::write(&path, text.as_bytes()) {
             tracing::error!(path = %path.display(), "cannot store the move report: {e}");
         }
         let svg = path.with_extension("svg");
         match crate::svg::timeline_svg(report) {
             Ok(picture) => {
-                if let Err(e) = journal::write_durably(&svg, picture.as_bytes()) {
+                if let Err(e) = crate::durable::write(&svg, picture.as_bytes()) {
                     tracing::error!(path = %svg.display(), "cannot store the timeline: {e}");
                 }
             }

@@ -17,13 +17,14 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use rdmamig_proto::ConnectionId;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::durable;
 use crate::machine::Phase;
 use crate::plan::MovePlan;
 use crate::pool::Attachment;
@@ -151,25 +152,8 @@ impl Journal {
         };
         let mut line = serde_json::to_vec(&begin).map_err(|e| create(std::io::Error::other(e)))?;
         line.push(b'\n');
-        let temporary = dir.join(format!(".{id}.journal.new"));
-        let written = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&temporary)
-            .and_then(|mut file| {
-                file.write_all(&line)?;
-                file.sync_all()
-            })
-            // A hard link fails if the journal exists: never two moves in one journal.
-            .and_then(|()| std::fs::hard_link(&temporary, &path));
-        let _ = std::fs::remove_file(&temporary);
-        written.map_err(create)?;
-        let opened = OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .and_then(|file| File::open(dir).and_then(|d| d.sync_all()).map(|()| file));
+        durable::create_new(&path, &line).map_err(create)?;
+        let opened = OpenOptions::new().append(true).open(&path);
         match opened {
             Ok(file) => Ok(Journal { path, file }),
             Err(source) => {
@@ -219,26 +203,6 @@ impl Journal {
                 path: self.path.clone(),
                 source,
             })
-    }
-}
-
-/// Writes a file (owner only) through a temporary name and an fsync, so a reader never sees
-/// half of it.
-pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let temporary = path.with_extension("tmp");
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&temporary)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&temporary, path)?;
-    // The rename itself is durable only once the directory is.
-    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(dir) => File::open(dir)?.sync_all(),
-        None => Ok(()),
     }
 }
 

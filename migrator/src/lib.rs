@@ -5,8 +5,10 @@
 //! - [`machine`]: the move as one state machine (phases and the one transition function);
 //! - [`timeline`]: start/end timestamps and durations of every phase;
 //! - [`plan`]: what a move is asked to do (endpoints, devices, strategy, deadlines);
+//! - [`durable`]: writes that are whole or absent after a crash;
 //! - [`journal`]: the crash-safe, fsynced record of every move's steps;
-//! - [`pool`]: the host's passthrough functions (TOML config, persistent states);
+//! - [`config`]: the daemon's config file (`[pool]`, `[peer]`, `[moves]`);
+//! - [`pool`]: the host's passthrough functions (their states persist);
 //! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
 //!   migration support);
 //! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
@@ -31,8 +33,10 @@
 pub mod agent;
 pub mod api;
 pub mod cli;
+pub mod config;
 pub mod daemon;
 pub mod destination;
+pub mod durable;
 #[cfg(test)]
 mod fakes;
 pub mod journal;

@@ -10,12 +10,13 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use rdmamig_migrator::api::ClientRequest;
 use rdmamig_migrator::cli::{self, Output};
+use rdmamig_migrator::config::{Config, ConfigError, PeerConfig};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::mover::{BoundaryHook, MoveContext, VmmBackends};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy, UnmanagedPolicy};
-use rdmamig_migrator::pool::{Config, PeerConfig, Pool, PoolError};
+use rdmamig_migrator::pool::{Pool, PoolError};
 use rdmamig_migrator::retention::Retention;
 use rdmamig_proto::text::error_chain;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
@@ -444,12 +445,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// Why the daemon's config or pool cannot be opened.
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    /// The config file.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The pool it describes, or its states.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
 /// The config file (defaults without one), and the pool it describes, with its states from
 /// the state directory.
 fn open_config(
     config: Option<&std::path::Path>,
     state_dir: &std::path::Path,
-) -> Result<(Pool, Config), PoolError> {
+) -> Result<(Pool, Config), OpenError> {
     let config = match config {
         Some(path) => Config::load(path)?,
         None => Config::default(),

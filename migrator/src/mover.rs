@@ -1693,7 +1693,7 @@ mod tests {
                     "[[pool.function]]\nname = \"tap{i}\"\ndevice = \"driver=e1000e,netdev=nd{i}\"\n"
                 ));
             }
-            let config: crate::pool::Config = toml::from_str(&text).unwrap();
+            let config: crate::config::Config = toml::from_str(&text).unwrap();
             let pool = Pool::open(&config.pool, &dir.path().join("pool.json")).unwrap();
             Bed {
                 host: FakeHost::new(),
@@ -2292,7 +2292,7 @@ mod tests {
     #[tokio::test]
     async fn the_detached_function_is_reset_then_returned_or_quarantined() {
         let dir = tempfile::tempdir().unwrap();
-        let config: crate::pool::Config = toml::from_str(
+        let config: crate::config::Config = toml::from_str(
             "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n\
              [[pool.function]]\nname = \"vf9\"\npci = \"0000:3b:00.7\"\n",
         )
@@ -2330,7 +2330,7 @@ mod tests {
     #[tokio::test]
     async fn a_move_that_fails_past_the_point_of_no_return_still_frees_the_source_function() {
         let dir = tempfile::tempdir().unwrap();
-        let config: crate::pool::Config = toml::from_str(
+        let config: crate::config::Config = toml::from_str(
             "[[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n",
         )
         .unwrap();

@@ -35,11 +35,12 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::agent::Outcomes;
 use crate::api::{ApiError, Channel};
+use crate::config::KnownPeer;
 use crate::destination::{DestinationHost, LocalDestination, MoveRef, Plugged};
 use crate::listen::{Admission, PEER_CONNECTIONS};
 use crate::mover::{Backends, StepError};
 use crate::plan::Endpoint;
-use crate::pool::{Attachment, KnownPeer, Pool};
+use crate::pool::{Attachment, Pool};
 use rdmamig_proto::text::error_chain;
 
 /// The version of the peer protocol this build speaks (2: the source side, with deadlines,
@@ -894,7 +895,7 @@ mod tests {
     /// port.
     async fn destination(tls: PeerTls, host: &FakeHost) -> (String, Arc<Pool>, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
-        let config: crate::pool::Config =
+        let config: crate::config::Config =
             toml::from_str("[[pool.function]]\nname = \"vf0\"\npci = \"0000:3b:00.2\"\n").unwrap();
         let pool = Arc::new(Pool::open(&config.pool, &dir.path().join("pool.json")).unwrap());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -24,20 +24,9 @@
 //! [[pool.function]]
 //! name = "tap1"
 //! device = "driver=virtio-net-pci,netdev=nd1"
-//!
-//! # Optional: talk to other migrators (see `peer`): serve the destination's duties on
-//! # `listen`, and drive destinations named by `rdmamig migrate --destination-migrator`.
-//! [peer]
-//! listen = "0.0.0.0:7478"
-//! cert = "/etc/rdmamig/tls/host.pem"
-//! key = "/etc/rdmamig/tls/host.key"
-//! ca = "/etc/rdmamig/tls/ca.pem"
-//!
-//! [[peer.known]]
-//! name = "hostA"
-//! cert = "/etc/rdmamig/tls/peers/hostA.pem"
-//! address = "hostA.example:7478"
 //! ```
+//!
+//! The rest of the config file is [`crate::config`]'s.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -48,7 +37,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::plan::UnmanagedPolicy;
 use crate::vfio::{Sysfs, VfioFunction};
 use rdmamig_proto::clock::unix_ms;
 
@@ -82,65 +70,6 @@ pub struct FunctionConfig {
     /// An emulated device's `device_add` properties (without id).
     #[serde(default)]
     pub device: Option<String>,
-}
-
-/// The daemon's config file.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Config {
-    /// The pool of passthrough functions.
-    #[serde(default)]
-    pub pool: PoolConfig,
-    /// Serving the destination's duties to other migrators (mutual TLS).
-    #[serde(default)]
-    pub peer: Option<PeerConfig>,
-    /// Defaults of the moves this daemon runs.
-    #[serde(default)]
-    pub moves: MovesConfig,
-}
-
-/// The `[moves]` table: what a move does when its client does not say.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MovesConfig {
-    /// What to do with programs that hold an RDMA device without the library
-    /// (`refuse`, `release` or `ignore`; `refuse` when not given).
-    #[serde(default)]
-    pub unmanaged: UnmanagedPolicy,
-}
-
-/// The `[peer]` table: where to listen, this host's certificate, the CA, the known peers.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PeerConfig {
-    /// `address:port` to serve the destination's duties on; a host that only sends moves
-    /// need not listen.
-    #[serde(default)]
-    pub listen: Option<String>,
-    /// This host's certificate chain (PEM).
-    pub cert: PathBuf,
-    /// Its private key (PEM).
-    pub key: PathBuf,
-    /// The CA that signs every migrator's certificate (PEM).
-    pub ca: PathBuf,
-    /// The migrators this one talks to (either way), each with its certificate.
-    #[serde(default, rename = "known")]
-    pub known: Vec<KnownPeer>,
-}
-
-/// One migrator this one talks to.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KnownPeer {
-    /// Its name, for logs and `--destination-migrator`.
-    pub name: String,
-    /// Its certificate (PEM); only this exact certificate is accepted from it, whichever
-    /// side it is on.
-    pub cert: PathBuf,
-    /// `host:port` its `[peer] listen` is reached at (needed to send it moves); the host
-    /// is the name its certificate must carry.
-    #[serde(default)]
-    pub address: Option<String>,
 }
 
 /// How a function is plugged.
@@ -214,24 +143,6 @@ pub struct FunctionStatus {
 /// Why a pool operation failed.
 #[derive(Debug, Error)]
 pub enum PoolError {
-    /// The config file cannot be read.
-    #[error("cannot read the config file {path}")]
-    ReadConfig {
-        /// The file.
-        path: PathBuf,
-        /// What failed.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The config file is not valid.
-    #[error("the config file {path} is not valid")]
-    ParseConfig {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        #[source]
-        source: toml::de::Error,
-    },
     /// A function's entry is not usable.
     #[error("pool function {name:?}: {reason}")]
     BadFunction {
@@ -300,20 +211,6 @@ pub enum PoolError {
         /// What the check said.
         reason: String,
     },
-}
-
-impl Config {
-    /// Reads the config file.
-    pub fn load(path: &Path) -> Result<Config, PoolError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PoolError::ReadConfig {
-            path: path.into(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|source| PoolError::ParseConfig {
-            path: path.into(),
-            source,
-        })
-    }
 }
 
 fn describe(state: &FunctionState) -> String {
@@ -556,7 +453,7 @@ impl Pool {
 
     fn save(&self, states: &BTreeMap<String, FunctionState>) -> Result<(), PoolError> {
         let bytes = serde_json::to_vec_pretty(states).unwrap_or_default();
-        crate::journal::write_durably(&self.path, &bytes).map_err(|source| PoolError::State {
+        crate::durable::write(&self.path, &bytes).map_err(|source| PoolError::State {
             action: "write",
             path: self.path.clone(),
             source,
@@ -651,6 +548,7 @@ pub fn device_for(attachment: &Attachment, attach: &DeviceSpec) -> DeviceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     const CONFIG: &str = r#"
         [pool]
@@ -818,19 +716,6 @@ mod tests {
             properties: Map::new(),
         };
         assert_eq!(reset(&emulated).unwrap(), "emulated: nothing to reset");
-    }
-
-    #[test]
-    fn the_peer_table_parses() {
-        let text = format!(
-            "{CONFIG}\n[peer]\nlisten = \"0.0.0.0:7478\"\ncert = \"/t/h.pem\"\nkey = \"/t/h.key\"\n\
-             ca = \"/t/ca.pem\"\n\n[[peer.known]]\nname = \"hostA\"\ncert = \"/t/a.pem\"\n"
-        );
-        let config: Config = toml::from_str(&text).unwrap();
-        let peer = config.peer.unwrap();
-        assert_eq!(peer.listen.as_deref(), Some("0.0.0.0:7478"));
-        assert_eq!(peer.known[0].name, "hostA");
-        assert!(toml::from_str::<Config>("[peer]\nlisten = \"x\"\n").is_err());
     }
 
     #[test]

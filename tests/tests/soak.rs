@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rdmamig_migrator::config::KnownPeer;
 use rdmamig_migrator::destination::MoveRef;
 use rdmamig_migrator::peer::{self, PeerCall, PeerRequest, PeerTls, PEER_PROTOCOL_VERSION};
-use rdmamig_migrator::pool::KnownPeer;
 use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{
