@@ -13,11 +13,12 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 use tokio::net::UnixStream;
 
-use crate::api::{ApiError, Channel, ClientRequest, DaemonMessage};
+use crate::api::{self, ClientRequest, DaemonMessage};
+use crate::channel::{Channel, ChannelError};
 use crate::machine::Phase;
-use crate::mover::{MoveEvent, MoveReport, VmLocation};
 use crate::plan::MovePlan;
 use crate::pool::{Attachment, FunctionState};
+use crate::report::{MoveEvent, MoveReport, VmLocation};
 use crate::svg::{timeline_svg, SvgError};
 use crate::timeline::PhaseOutcome;
 use crate::unmanaged::Fate;
@@ -36,7 +37,7 @@ pub enum CliError {
     },
     /// Talking to the daemon failed.
     #[error("talking to the rdmamig daemon failed")]
-    Api(#[from] ApiError),
+    Channel(#[from] ChannelError),
     /// The daemon refused the request.
     #[error("the rdmamig daemon refused: {reason}")]
     Rejected {
@@ -84,7 +85,7 @@ async fn connect(socket: &Path) -> Result<Channel<UnixStream>, CliError> {
             socket: socket.into(),
             source,
         })?;
-    Ok(Channel::to_daemon(stream))
+    Ok(api::to_daemon(stream))
 }
 
 /// Runs `step` against the daemon at `socket` for at most `limit`.

@@ -11,7 +11,7 @@
 //! of different VMs run concurrently up to a limit; a second move of a VM that is already
 //! moving (or being recovered) is refused. Every move has a journal and, once it ended, a JSON
 //! report under `<state-dir>/moves/`. At start-up, every journal without an end is recovered
-//! ([`crate::mover::recover`]) before the socket accepts a move of that VM. On SIGINT/SIGTERM
+//! ([`crate::moving::recover`]) before the socket accepts a move of that VM. On SIGINT/SIGTERM
 //! the daemon stops accepting and waits for running moves, which are all bounded by their
 //! deadlines.
 
@@ -29,17 +29,17 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::api::{
-    ApiError, Channel, ClientRequest, DaemonMessage, HeldVm, MoveSummary, RunningMove,
-};
+use crate::api::{ClientRequest, DaemonMessage, HeldVm, MoveSummary, RunningMove};
+use crate::channel::{Channel, ChannelError};
 use crate::config::MovesConfig;
 use crate::journal::{self, Journal, JournalError};
 use crate::listen::{Admission, API_CONNECTIONS, METRICS_CONNECTIONS};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
-use crate::mover::{recover, run_move, MoveContext, MoveEvent, MoveReport};
+use crate::moving::{recover, run_move, MoveContext};
 use crate::peer::Destination;
 use crate::plan::MovePlan;
+use crate::report::{MoveEvent, MoveReport};
 use crate::retention::{self, Retention};
 use crate::strategy::choose_for;
 use rdmamig_proto::clock::unix_ms;
@@ -779,7 +779,7 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> bool {
     match tokio::time::timeout(WRITE_TIMEOUT, channel.send(message)).await {
         Ok(Ok(())) => true,
-        Ok(Err(e @ ApiError::TooLarge { .. })) => {
+        Ok(Err(e @ ChannelError::TooLarge { .. })) => {
             tracing::error!("{}", error_chain(&e));
             let reason = format!("the daemon could not send its answer: {e}");
             let rejected = DaemonMessage::Rejected { reason };

@@ -18,9 +18,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
 use crate::agent::Outcomes;
-use crate::mover::{open_agent, Backends, StepError};
+use crate::backends::{open_agent, Backends};
 use crate::plan::Endpoint;
 use crate::pool::{device_for, Attachment, Pool};
+use crate::step::{StepError, GRACE};
 
 /// What a move names when it asks the destination for something.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,10 +138,6 @@ impl LocalDestination {
         Ok(vmm)
     }
 }
-
-/// Time a VMM call with its own deadline may overrun it before [`bounded`] ends it (it then
-/// reports its own timeout, which says more).
-const GRACE: Duration = Duration::from_millis(250);
 
 /// Runs `step` under `deadline` (a VMM call that ignores its own deadline still ends).
 async fn bounded<T>(

@@ -23,7 +23,7 @@ use rdmamig_vmm::{
 };
 
 use crate::agent::{AgentError, GuestAgent, Outcomes};
-use crate::mover::Backends;
+use crate::backends::Backends;
 use crate::plan::Endpoint;
 
 /// When the fake source stops the guest for the stop-and-copy.

@@ -4,7 +4,7 @@
 //! journaled before its first VMM or agent call), and the journal's directory is synced when
 //! the file is created, so a migrator killed at any instant leaves a journal that says at
 //! least as much as the VMMs have seen. A restarted migrator reads every journal that has no
-//! [`Record::End`] and finishes or rolls back that move ([`crate::mover::recover`]).
+//! [`Record::End`] and finishes or rolls back that move ([`crate::moving::recover`]).
 //!
 //! A torn last line (the kill came during a write) is ignored: the step it announced never
 //! acted, because acting waits for the fsync.

@@ -20,8 +20,12 @@
 //!   them;
 //! - [`destination`]: the destination end of a move behind one trait (this host, or another
 //!   migrator through [`peer`]);
-//! - [`mover`]: runs a plan phase by phase against the VMMs (rdmamig-vmm) and the agent,
-//!   takes the forced paths, rolls back, and recovers a move from its journal;
+//! - [`report`], [`step`], [`backends`]: the vocabulary the phases share (the report and
+//!   events, the step error, how VMMs and agents are reached);
+//! - [`moving`]: runs a plan phase by phase (one module per phase) against the VMMs
+//!   (rdmamig-vmm) and the agent, takes the forced paths, rolls back, and recovers a move
+//!   from its journal;
+//! - [`channel`]: framed messages over a byte stream (the API's and the peers');
 //! - [`api`]: the messages between the `rdmamig` CLI and the daemon;
 //! - [`daemon`]: the daemon that runs moves for local clients;
 //! - [`retention`]: pruning the journals and reports of finished moves;
@@ -32,6 +36,8 @@
 
 pub mod agent;
 pub mod api;
+pub mod backends;
+pub mod channel;
 pub mod cli;
 pub mod config;
 pub mod daemon;
@@ -43,11 +49,13 @@ pub mod journal;
 pub mod listen;
 pub mod machine;
 pub mod metrics;
-pub mod mover;
+pub mod moving;
 pub mod peer;
 pub mod plan;
 pub mod pool;
+pub mod report;
 pub mod retention;
+pub mod step;
 pub mod strategy;
 pub mod svg;
 pub mod timeline;

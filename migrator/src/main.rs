@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rdmamig_migrator::api::ClientRequest;
+use rdmamig_migrator::backends::VmmBackends;
 use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::config::{Config, ConfigError, PeerConfig};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::machine::Phase;
-use rdmamig_migrator::mover::{BoundaryHook, MoveContext, VmmBackends};
+use rdmamig_migrator::moving::{BoundaryHook, MoveContext};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::pool::{Pool, PoolError};

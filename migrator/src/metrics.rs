@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::machine::Phase;
-use crate::mover::MoveReport;
+use crate::report::MoveReport;
 use crate::unmanaged::Fate;
 
 /// The daemon's counters.
@@ -151,8 +151,8 @@ fn interleave(headers: &str, samples: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mover::{ForcedPath, VmLocation};
     use crate::plan::tests::plan;
+    use crate::report::{ForcedPath, VmLocation};
     use crate::timeline::{PhaseOutcome, PhaseRecord, Timeline};
     use crate::unmanaged::ProgramReport;
     use rdmamig_proto::agent::UnmanagedProgram;

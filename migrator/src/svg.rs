@@ -9,7 +9,7 @@
 use plotters::prelude::*;
 
 use crate::machine::Phase;
-use crate::mover::MoveReport;
+use crate::report::MoveReport;
 use crate::timeline::PhaseOutcome;
 
 const WIDTH: u32 = 900;
@@ -115,8 +115,8 @@ pub fn timeline_svg(report: &MoveReport) -> Result<String, SvgError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mover::VmLocation;
     use crate::plan::tests::plan;
+    use crate::report::VmLocation;
     use crate::timeline::{PhaseRecord, Timeline};
     use serde_json::Map;
 

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmamig_guest::traffic::Report as TrafficReport;
-use rdmamig_migrator::mover::MoveReport;
+use rdmamig_migrator::report::MoveReport;
 use thiserror::Error;
 
 use crate::steps;

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use rdmamig_migrator::mover::MoveReport;
+use rdmamig_migrator::report::MoveReport;
 use rdmamig_testbed::scenario::{migrate_vm, Daemon};
 use rdmamig_testbed::steps::{
     assert_clean, collect_report, dump_logs, stop_traffic, MoveGuests, STEP_TIMEOUT,

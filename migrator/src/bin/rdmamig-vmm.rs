@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
-use rdmamig_migrator::mover::{Backends, VmmBackends};
+use rdmamig_migrator::backends::{Backends, VmmBackends};
 use rdmamig_migrator::plan::{EndpointFlags, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::unmanaged::describe;
 use rdmamig_proto::agent::ReleaseScope;

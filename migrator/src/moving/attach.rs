@@ -1,0 +1,35 @@
+//! Phase `attach`: the destination plugs the function (or the device) into the arrived VM.
+
+use super::*;
+
+impl Mover {
+    pub(super) async fn attach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        if self.strategy == Strategy::VfioMigrate {
+            return Ok(Finished::skipped(
+                "strategy vfio-migrate: the function arrived with the VM's device state",
+            ));
+        }
+        let destination = self.destination()?;
+        let function = self.function.as_ref().map(|(name, _)| name.as_str());
+        let plugged = destination
+            .attach(
+                &self.plan.destination,
+                &self.move_ref(),
+                function,
+                &self.plan.attach,
+                self.recovered_from.is_some(),
+                deadline,
+            )
+            .await?;
+        let mut details = Map::new();
+        if plugged.already {
+            details.insert("already_attached".into(), true.into());
+        }
+        if let Some(function) = function {
+            details.insert("function".into(), function.into());
+        }
+        details.insert("device".into(), plugged.id.into());
+        details.insert("driver".into(), plugged.driver.into());
+        Ok(Finished::ok(details))
+    }
+}

@@ -1,0 +1,82 @@
+//! Phase `migrate`: the VMM migrates the VM, progress is reported, the arrival confirmed.
+
+use super::*;
+
+impl Mover {
+    pub(super) async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        let start = Instant::now();
+        let source = self.source_vmm().await?;
+        source
+            .send_migration(&self.plan.via, &self.plan.limits)
+            .await?;
+        let events = self.events.clone();
+        let recorder_start = self.recorder.started_at();
+        let mut last: Option<(Instant, MigrationStatus)> = None;
+        let mut report = |progress: &MigrationProgress| {
+            let due = match &last {
+                None => true,
+                Some((at, status)) => {
+                    *status != progress.status || at.elapsed() >= PROGRESS_INTERVAL
+                }
+            };
+            if due || progress.status.is_final() {
+                last = Some((Instant::now(), progress.status.clone()));
+                let _ = events.send(MoveEvent::Migration {
+                    at_ms: millis(recorder_start.elapsed()),
+                    progress: progress.clone(),
+                });
+            }
+        };
+        let done = match source
+            .wait_migration(deadline.saturating_sub(start.elapsed()), &mut report)
+            .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                if e.is_timeout() {
+                    self.force(
+                        Phase::Migrate,
+                        format!(
+                            "the migration did not complete within {} ms: cancelling it and \
+                             rolling back",
+                            millis(deadline)
+                        ),
+                    );
+                }
+                return Err(e.into());
+            }
+        };
+        // The source let go of the VM: from here a rollback stops the destination and
+        // resumes the source, whether or not the destination confirms.
+        self.migrated = true;
+        self.location = VmLocation::Destination;
+        let confirm = Instant::now();
+        let started = self
+            .destination()?
+            .confirm_received(
+                &self.plan.destination,
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
+        self.journal.append(&Record::Migrated)?;
+        let mut details = Map::new();
+        details.insert("confirm_ms".into(), millis(confirm.elapsed()).into());
+        // From the source's stop to the destination's start: the VMM's downtime ends with
+        // the send, before the destination runs the guest.
+        if let Some(paused) = vm_paused(done.vm_stopped_at, started) {
+            details.insert("vm_paused_ms".into(), millis(paused).into());
+        }
+        for (key, value) in [
+            ("vmm_total_ms", done.total_time_ms),
+            ("downtime_ms", done.downtime_ms),
+            ("setup_ms", done.setup_time_ms),
+            ("ram_transferred", done.ram_transferred),
+        ] {
+            if let Some(value) = value {
+                details.insert(key.into(), value.into());
+            }
+        }
+        self.migration = Some(done);
+        Ok(Finished::ok(details))
+    }
+}

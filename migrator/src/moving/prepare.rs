@@ -1,0 +1,92 @@
+//! Phase `prepare`: choose the strategy, check the source, list the connections and the
+//! unmanaged programs, reserve a function, ready the destination. Nothing in the VM changes.
+
+use super::*;
+
+impl Mover {
+    pub(super) async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        let start = Instant::now();
+        let mut details = Map::new();
+        // Decided before anything acts: a refused strategy changes nothing.
+        let choice = choose_for(&self.plan, &self.context.pool)?;
+        self.journal.append(&Record::Chose {
+            choice: choice.clone(),
+        })?;
+        details.insert("strategy".into(), choice.strategy.to_string().into());
+        if self.plan.strategy != choice.strategy {
+            details.insert("strategy_reason".into(), choice.reason.clone().into());
+        }
+        self.strategy = choice.strategy;
+        self.chosen = Some(choice);
+        let source = self.source_vmm().await?;
+        let status = source.status().await?;
+        if !matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
+            return Err(StepError::VmState {
+                side: "source",
+                state: status.state,
+                expected: "not a VM that can migrate (neither running nor paused)",
+            });
+        }
+        details.insert("source_state".into(), status.state.into());
+        let destination = self.destination()?;
+        details.insert("destination".into(), destination.describe().into());
+        // vfio-migrate plugs nothing: the destination VMM was started with its function.
+        if self.plan.from_pool && self.strategy != Strategy::VfioMigrate {
+            let (function, attachment) = destination
+                .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
+                .await?;
+            self.journal.append(&Record::Reserved {
+                function: function.clone(),
+                attachment: attachment.clone(),
+            })?;
+            details.insert("function".into(), function.clone().into());
+            self.function = Some((function, attachment));
+        }
+        // The guest before the destination VMM is readied, which cannot be taken back: a
+        // refusal (unmanaged programs) leaves it as it was (a reservation is released).
+        if self.strategy != Strategy::Naive {
+            let (mut agent, version) = open_agent(
+                self.context.backends.as_ref(),
+                source.as_ref(),
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
+            let connections = agent
+                .list_connections(deadline.saturating_sub(start.elapsed()))
+                .await?;
+            details.insert("agent_version".into(), version.into());
+            details.insert("connections".into(), connections.len().into());
+            self.ids = connections.iter().map(|c| c.id).collect();
+            self.journal.append(&Record::Listed {
+                connections: self.ids.clone(),
+            })?;
+            self.connections = connections;
+            let programs = agent
+                .list_unmanaged(deadline.saturating_sub(start.elapsed()))
+                .await;
+            self.agent = Some(agent);
+            let programs = programs?;
+            details.insert("unmanaged".into(), programs.len().into());
+            self.unmanaged.add(programs);
+            if !self.unmanaged.is_empty() {
+                self.warn(format!(
+                    "unmanaged programs (policy {}): {}",
+                    self.unmanaged_policy(),
+                    self.unmanaged.named()
+                ));
+                if self.unmanaged_policy() == UnmanagedPolicy::Refuse {
+                    return Err(self.refusal(""));
+                }
+            }
+        }
+        destination
+            .prepare_receive(
+                &self.plan.destination,
+                &self.plan.via,
+                deadline.saturating_sub(start.elapsed()),
+            )
+            .await?;
+        details.insert("via".into(), self.plan.via.clone().into());
+        Ok(Finished::ok(details))
+    }
+}

@@ -1,0 +1,73 @@
+//! Phase `quiesce`: the agent quiesces every connection (a silent agent or a failed
+//! connection is a forced path, and the move goes on).
+
+use super::*;
+
+impl Mover {
+    pub(super) async fn quiesce_phase(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Finished, StepError> {
+        if self.strategy == Strategy::Naive {
+            return Ok(Finished::skipped(
+                "strategy naive: connections are not quiesced",
+            ));
+        }
+        let ids = self.ids.clone();
+        let bridge = self.strategy == Strategy::Bridge;
+        let result = match self.agent.as_mut() {
+            Some(agent) => agent.quiesce(&ids, deadline, bridge).await,
+            None => {
+                let source = self.source_vmm().await?;
+                let mut agent = self.context.backends.agent(source.as_ref()).await?;
+                let result = agent.quiesce(&ids, deadline, bridge).await;
+                self.agent = Some(agent);
+                result
+            }
+        };
+        let result = match result {
+            Ok(result) => result,
+            Err(e) => {
+                // The agent is silent or broken: the move goes on, and every connection
+                // recovers through the library's own path (device gone, wait for the peer,
+                // replay).
+                let reason = format!(
+                    "the agent did not quiesce ({}); detaching without a coordinated quiesce",
+                    error_chain(&e)
+                );
+                self.agent = None;
+                self.agent_lost = Some(error_chain(&e));
+                self.force(Phase::Quiesce, reason.clone());
+                return Ok(Finished {
+                    outcome: PhaseOutcome::Forced { reason },
+                    details: Map::new(),
+                });
+            }
+        };
+        let details = self.record_outcomes(&result, "quiesced");
+        let failed: Vec<String> = result
+            .failed()
+            .map(|f| {
+                format!(
+                    "{:016x}: {}",
+                    f.id,
+                    f.error.as_deref().unwrap_or("no reason given")
+                )
+            })
+            .collect();
+        self.quiesce = result.outcomes;
+        if failed.is_empty() {
+            return Ok(Finished::ok(details));
+        }
+        let reason = format!(
+            "{} connections did not quiesce ({}); detaching anyway",
+            failed.len(),
+            failed.join("; ")
+        );
+        self.force(Phase::Quiesce, reason.clone());
+        Ok(Finished {
+            outcome: PhaseOutcome::Forced { reason },
+            details,
+        })
+    }
+}
