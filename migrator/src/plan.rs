@@ -46,6 +46,49 @@ impl std::fmt::Display for Strategy {
     }
 }
 
+/// What a strategy does in a move: the one table every phase reads, instead of checks on
+/// the strategy's name scattered through the phases. `auto` is decided at prepare, before
+/// any phase reads this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Steps {
+    /// Why the guest's connections are left alone, when they are (prepare lists nothing,
+    /// quiesce and resume are skipped, a rollback resumes nothing).
+    pub uncoordinated: Option<&'static str>,
+    /// The quiesce keeps each bridged connection's traffic on its TCP bridge.
+    pub bridge: bool,
+    /// Why the device stays plugged and moves with the VM, when it does (nothing is
+    /// reserved, detached, reset, given back or re-attached).
+    pub device_moves: Option<&'static str>,
+}
+
+impl Strategy {
+    /// The table of what this strategy does.
+    pub fn steps(self) -> Steps {
+        let swap = Steps {
+            uncoordinated: None,
+            bridge: false,
+            device_moves: None,
+        };
+        match self {
+            Strategy::Reconnect | Strategy::Auto => swap,
+            Strategy::Bridge => Steps {
+                bridge: true,
+                ..swap
+            },
+            Strategy::Naive => Steps {
+                uncoordinated: Some("strategy naive: connections are not coordinated"),
+                ..swap
+            },
+            Strategy::VfioMigrate => Steps {
+                device_moves: Some(
+                    "strategy vfio-migrate: the function stays plugged; the VMM moves its state",
+                ),
+                ..swap
+            },
+        }
+    }
+}
+
 /// What a move does with programs in the guest that hold an RDMA device without rdmamig's
 /// library (unmanaged programs): the move would break them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -439,6 +482,23 @@ pub(crate) mod tests {
             strategy: Strategy::Reconnect,
             deadlines: Deadlines::default(),
         }
+    }
+
+    #[test]
+    fn the_strategy_table_says_what_each_strategy_does() {
+        let of = |s: Strategy| {
+            let steps = s.steps();
+            (
+                steps.uncoordinated.is_none(),
+                steps.bridge,
+                steps.device_moves.is_none(),
+            )
+        };
+        // (coordinates the connections, bridges them, swaps the device)
+        assert_eq!(of(Strategy::Reconnect), (true, false, true));
+        assert_eq!(of(Strategy::Bridge), (true, true, true));
+        assert_eq!(of(Strategy::Naive), (false, false, true));
+        assert_eq!(of(Strategy::VfioMigrate), (true, false, false));
     }
 
     #[test]

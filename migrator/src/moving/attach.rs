@@ -4,10 +4,8 @@ use super::*;
 
 impl Mover {
     pub(super) async fn attach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if self.strategy == Strategy::VfioMigrate {
-            return Ok(Finished::skipped(
-                "strategy vfio-migrate: the function arrived with the VM's device state",
-            ));
+        if let Some(why) = self.strategy.steps().device_moves {
+            return Ok(Finished::skipped(why));
         }
         let destination = self.destination()?;
         let function = self.function.as_ref().map(|(name, _)| name.as_str());

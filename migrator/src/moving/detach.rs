@@ -5,10 +5,8 @@ use super::*;
 
 impl Mover {
     pub(super) async fn detach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if self.strategy == Strategy::VfioMigrate {
-            return Ok(Finished::skipped(
-                "strategy vfio-migrate: the function stays plugged; the VMM moves its state",
-            ));
+        if let Some(why) = self.strategy.steps().device_moves {
+            return Ok(Finished::skipped(why));
         }
         let source = self.source_vmm().await?;
         let mut details = Map::new();
@@ -65,7 +63,7 @@ impl Mover {
         details: &mut Map<String, Value>,
     ) -> Result<(), StepError> {
         let policy = self.unmanaged_policy();
-        if self.strategy == Strategy::Naive {
+        if self.strategy.steps().uncoordinated.is_some() {
             return Ok(());
         }
         let Some(agent) = self.agent.as_mut() else {

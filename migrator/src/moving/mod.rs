@@ -552,7 +552,7 @@ impl Mover {
         let Some(name) = self.plan.source_function.clone() else {
             return;
         };
-        if self.strategy == Strategy::VfioMigrate {
+        if self.strategy.steps().device_moves.is_some() {
             // Never detached: it stays with the source VMM until that exits.
             return;
         }

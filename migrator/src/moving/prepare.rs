@@ -31,7 +31,7 @@ impl Mover {
         let destination = self.destination()?;
         details.insert("destination".into(), destination.describe().into());
         // vfio-migrate plugs nothing: the destination VMM was started with its function.
-        if self.plan.from_pool && self.strategy != Strategy::VfioMigrate {
+        if self.plan.from_pool && self.strategy.steps().device_moves.is_none() {
             let (function, attachment) = destination
                 .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
                 .await?;
@@ -44,7 +44,7 @@ impl Mover {
         }
         // The guest before the destination VMM is readied, which cannot be taken back: a
         // refusal (unmanaged programs) leaves it as it was (a reservation is released).
-        if self.strategy != Strategy::Naive {
+        if self.strategy.steps().uncoordinated.is_none() {
             let (mut agent, version) = open_agent(
                 self.context.backends.as_ref(),
                 source.as_ref(),

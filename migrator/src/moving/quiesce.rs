@@ -8,13 +8,11 @@ impl Mover {
         &mut self,
         deadline: Duration,
     ) -> Result<Finished, StepError> {
-        if self.strategy == Strategy::Naive {
-            return Ok(Finished::skipped(
-                "strategy naive: connections are not quiesced",
-            ));
+        if let Some(why) = self.strategy.steps().uncoordinated {
+            return Ok(Finished::skipped(why));
         }
         let ids = self.ids.clone();
-        let bridge = self.strategy == Strategy::Bridge;
+        let bridge = self.strategy.steps().bridge;
         let result = match self.agent.as_mut() {
             Some(agent) => agent.quiesce(&ids, deadline, bridge).await,
             None => {

@@ -4,10 +4,8 @@ use super::*;
 
 impl Mover {
     pub(super) async fn resume_phase(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if self.strategy == Strategy::Naive {
-            return Ok(Finished::skipped(
-                "strategy naive: connections are not resumed",
-            ));
+        if let Some(why) = self.strategy.steps().uncoordinated {
+            return Ok(Finished::skipped(why));
         }
         // The guest now runs under the destination VMM; the source's channel is dead.
         self.agent = None;

@@ -196,7 +196,8 @@ impl Mover {
     ) -> Result<(), StepError> {
         let stage = Instant::now();
         let reached = self.reached;
-        if reached >= Phase::Detach && self.strategy != Strategy::VfioMigrate {
+        let steps_of = self.strategy.steps();
+        if reached >= Phase::Detach && steps_of.device_moves.is_none() {
             let source = self.source_vmm().await?;
             let spec = self.plan.reattach_spec().clone();
             if source.has_device(spec.id()).await? {
@@ -206,7 +207,7 @@ impl Mover {
                 steps.push(format!("device {} re-attached on the source", spec.id()));
             }
         }
-        if reached >= Phase::Quiesce && self.strategy != Strategy::Naive {
+        if reached >= Phase::Quiesce && steps_of.uncoordinated.is_none() {
             // A fresh session: the old one may hold requests the agent never answered.
             self.agent = None;
             let source = self.source_vmm().await?;
