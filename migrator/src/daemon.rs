@@ -802,27 +802,53 @@ async fn forward<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// Answers every HTTP request on `listener` with the metrics (Prometheus scrapes `GET
-/// /metrics`; the path is not checked). A bounded read per connection, one response, close.
+/// How long a scrape has to send its request headers.
+const METRICS_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Serves the metrics over HTTP/1 (hyper) on `listener`: `GET /metrics` gets the text
+/// exposition, another path 404, another method 405. A connection has
+/// [`METRICS_REQUEST_TIMEOUT`] to send its headers and [`WRITE_TIMEOUT`] more to take the
+/// answer; at most [`METRICS_CONNECTIONS`] are served at once.
 async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper::{Method, Request, Response, StatusCode};
+    use hyper_util::rt::{TokioIo, TokioTimer};
+
     let admission = Admission::new("metrics", METRICS_CONNECTIONS);
     loop {
-        let ((mut stream, _), slot) = admission.next(|| listener.accept()).await;
-        let body = {
-            let running = lock(&shared.running).len();
-            lock(&shared.metrics).render(running)
-        };
+        let ((stream, _), slot) = admission.next(|| listener.accept()).await;
+        let shared = shared.clone();
+        let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+            let shared = shared.clone();
+            async move {
+                let (status, body) = match (request.method(), request.uri().path()) {
+                    (&Method::GET, "/metrics") => {
+                        let running = lock(&shared.running).len();
+                        (StatusCode::OK, lock(&shared.metrics).render(running))
+                    }
+                    (&Method::GET, _) => (StatusCode::NOT_FOUND, "try /metrics\n".to_string()),
+                    _ => (
+                        StatusCode::METHOD_NOT_ALLOWED,
+                        "only GET /metrics\n".to_string(),
+                    ),
+                };
+                Response::builder()
+                    .status(status)
+                    .header("Content-Type", "text/plain; version=0.0.4")
+                    .body(Full::new(Bytes::from(body)))
+            }
+        });
         tokio::spawn(async move {
-            let mut request = [0u8; 2048];
-            let _ = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut request)).await;
-            let response = format!(
-                "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\
-                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let written = stream.write_all(response.as_bytes());
-            let _ = tokio::time::timeout(WRITE_TIMEOUT, written).await;
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(METRICS_REQUEST_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            let limit = METRICS_REQUEST_TIMEOUT + WRITE_TIMEOUT;
+            if let Ok(Err(e)) = tokio::time::timeout(limit, connection).await {
+                tracing::debug!(error = %e, "a metrics connection failed");
+            }
             drop(slot);
         });
     }

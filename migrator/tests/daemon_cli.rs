@@ -139,9 +139,14 @@ fn metrics_port(dir: &Path) -> u16 {
 
 /// GET /metrics from the daemon in `dir`.
 fn scrape(dir: &Path) -> String {
+    http(dir, "GET /metrics")
+}
+
+/// The whole answer of the daemon's metrics port in `dir` to `request` (`METHOD /path`).
+fn http(dir: &Path, request: &str) -> String {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", metrics_port(dir))).unwrap();
-    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    write!(stream, "{request} HTTP/1.0\r\n\r\n").unwrap();
     let mut text = String::new();
     stream.read_to_string(&mut text).unwrap();
     text
@@ -475,6 +480,11 @@ fn a_device_the_guest_keeps_fails_detach_at_its_deadline() {
     ] {
         assert!(metrics.lines().any(|l| l == line), "{line}\n{metrics}");
     }
+    assert!(metrics.starts_with("HTTP/1.0 200"), "{metrics}");
+    let elsewhere = http(bed.dir.path(), "GET /");
+    assert!(elsewhere.starts_with("HTTP/1.0 404"), "{elsewhere}");
+    let posted = http(bed.dir.path(), "POST /metrics");
+    assert!(posted.starts_with("HTTP/1.0 405"), "{posted}");
 }
 
 /// Kills the daemon (it aborts on cue) right after it journaled each phase of a naive move,

@@ -11,6 +11,8 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
+
 use rdmamig_migrator::vfio::{DmaBuffer, Sysfs, VfioFunction};
 use rdmamig_proto::text::error_chain;
 use serde_json::{json, Map, Value};
@@ -21,12 +23,20 @@ const IOVA: u64 = 0x10_0000;
 /// The DMA buffer's size.
 const DMA_LEN: usize = 64 * 1024;
 
+/// Runs the migrator's VFIO layer (bind to vfio-pci, IOMMU group, open, reset, DMA map and
+/// unmap, the migration query) against every PCI device with the given ids, and prints one
+/// JSON line per device. It binds devices to vfio-pci: run it where that is wanted (the
+/// test bed's guest that plays a host).
+#[derive(Parser)]
+#[command(version)]
+struct Cli {
+    /// PCI vendor:device ids in hex, as lspci -n shows them (e.g. 8086:10ca for an igbvf VF).
+    #[arg(required = true, value_name = "VENDOR:DEVICE")]
+    ids: Vec<String>,
+}
+
 fn main() -> ExitCode {
-    let wanted: Vec<String> = std::env::args().skip(1).collect();
-    if wanted.is_empty() {
-        eprintln!("usage: rdmamig-vfio-check VENDOR:DEVICE...");
-        return ExitCode::from(2);
-    }
+    let wanted = Cli::parse().ids;
     let sysfs = Sysfs::default();
     let mut addresses: Vec<(String, String)> = match std::fs::read_dir("/sys/bus/pci/devices") {
         Ok(entries) => entries
