@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rdmamig_guest::conn::wire::{Header, Kind, PrivateData, RegionEntry, WireError};
+use rdmamig_conn::wire::{Header, Kind, PrivateData, RegionEntry, WireError};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(records) = RegionEntry::decode_all(data) {

@@ -292,11 +292,11 @@ impl Apps {
     }
 
     /// Runs `per_app` for every registered process, at most [`MAX_PARALLEL_APPS`] at once
-    /// (each process in turn resumes its own connections [`crate::registry::MAX_PARALLEL`]
+    /// (each process in turn resumes its own connections [`rdmamig_conn::registry::MAX_PARALLEL`]
     /// at a time, so reconnects reach the peers in bounded waves).
     fn fan_out<T: Send>(&self, per_app: impl Fn(&Apps, &App) -> Vec<T> + Sync) -> Vec<T> {
         let apps = self.snapshot();
-        crate::registry::bounded_parallel(&apps, MAX_PARALLEL_APPS, |app| per_app(self, app))
+        rdmamig_conn::registry::bounded_parallel(&apps, MAX_PARALLEL_APPS, |app| per_app(self, app))
             .into_iter()
             .flatten()
             .flatten()

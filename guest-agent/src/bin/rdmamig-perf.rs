@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use rdmamig_guest::conn::{
+use rdmamig_conn::{
     error_chain, Access, AsyncConnection, AsyncListener, ConnError, ConnectOptions, Connection,
     Exposed, Listener, RemoteBuffer,
 };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
-use rdmamig_guest::conn::ConnectOptions;
+use rdmamig_conn::ConnectOptions;
 use rdmamig_guest::traffic::{self, Mode, OneSidedConfig, Side, TrafficConfig};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
@@ -237,7 +237,7 @@ fn main() {
             }
         },
         Cmd::ProbeResume { to, conn_id } => {
-            let answer = rdmamig_guest::conn::probe_resume(to, conn_id, rand::random());
+            let answer = rdmamig_conn::probe_resume(to, conn_id, rand::random());
             println!(
                 "{}",
                 serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })
@@ -249,7 +249,7 @@ fn main() {
             conn_id,
             garbage,
         } => {
-            let answer = rdmamig_guest::conn::probe_bridge(to, conn_id, rand::random(), garbage);
+            let answer = rdmamig_conn::probe_bridge(to, conn_id, rand::random(), garbage);
             println!(
                 "{}",
                 serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })
@@ -280,7 +280,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         });
     }
     if let Some(path) = &c.agent_socket {
-        rdmamig_guest::registry::set_agent_socket(path);
+        rdmamig_conn::registry::set_agent_socket(path);
     }
     let one_sided = c.one_sided.then(|| OneSidedConfig {
         regions: c.regions.max(1),

@@ -22,8 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::conn::{Access, ConnError, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer};
-use crate::plain::{PlainEndpoint, PlainError};
+use rdmamig_conn::plain::{PlainEndpoint, PlainError};
+use rdmamig_conn::{
+    Access, ConnError, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer,
+};
 use regions::{Notice, Verdict, NOTICE_LEN};
 
 /// First bytes of every traffic message.
@@ -387,7 +389,7 @@ impl From<ConnError> for EndpointError {
         let fatal =
             matches!(e, ConnError::Failed { .. } | ConnError::InvalidState { .. }) || peer_closed;
         EndpointError {
-            text: crate::conn::error_chain(&e),
+            text: rdmamig_conn::error_chain(&e),
             fatal,
             peer_closed,
         }
@@ -560,7 +562,7 @@ impl Buffers {
         let round = n / regions;
         let (data, checksum) = regions::fill(round, region, self.cfg.region_size);
         let offset = region as u64 * self.cfg.region_size as u64;
-        let chain = |e: ConnError| crate::conn::error_chain(&e);
+        let chain = |e: ConnError| rdmamig_conn::error_chain(&e);
         conn.write(&self.remote, offset, &data).map_err(chain)?;
         conn.flush_writes(ONE_SIDED_WAIT).map_err(chain)?;
         c.written.fetch_add(1, Ordering::Relaxed);
@@ -745,7 +747,7 @@ impl Flow {
         if let Endpoint::Migratable(c, _) = &*self.ep {
             if let Err(e) = c.close() {
                 self.errors
-                    .add(format!("close: {}", crate::conn::error_chain(&e)));
+                    .add(format!("close: {}", rdmamig_conn::error_chain(&e)));
             }
         }
     }
@@ -861,12 +863,12 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
     for f in &mut flows {
         f.stop_sending();
     }
-    crate::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::flush);
+    rdmamig_conn::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::flush);
     std::thread::sleep(cfg.linger);
     for f in &mut flows {
         f.stop_receiving();
     }
-    crate::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::close);
+    rdmamig_conn::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::close);
     let reports = flows
         .into_iter()
         .map(|f| f.finish(cfg, started_unix_ms))

@@ -1,6 +1,6 @@
 //! The library's side of the agent socket.
 //!
-//! Every [`crate::conn::Connection`] and [`crate::conn::Listener`] of the process registers
+//! Every [`crate::Connection`] and [`crate::Listener`] of the process registers
 //! here. On first registration a background thread connects to the agent's UNIX socket
 //! ([`rdmamig_proto::app::DEFAULT_AGENT_SOCKET`], or `$RDMAMIG_AGENT_SOCKET`, or the path set
 //! with [`set_agent_socket`]); while there is no agent it retries quietly every second, so the
@@ -162,7 +162,7 @@ pub const MAX_PARALLEL: usize = 8;
 /// Runs `f` on every item with at most `limit` running at once (scoped worker threads that
 /// take the next item as they finish one); the results come back in the items' order. A
 /// panicking `f` yields `None` for its item.
-pub(crate) fn bounded_parallel<T: Sync, R: Send>(
+pub fn bounded_parallel<T: Sync, R: Send>(
     items: &[T],
     limit: usize,
     f: impl Fn(&T) -> R + Sync,

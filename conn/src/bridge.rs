@@ -225,7 +225,7 @@ impl AsRawFd for Bridge {
 
 // SAFETY: the bridge owns its stream, which is never replaced, so the descriptor stays open
 // and the same for the bridge's lifetime.
-unsafe impl crate::verbs::OwnsFd for Bridge {}
+unsafe impl rdmamig_verbs::OwnsFd for Bridge {}
 
 /// Hands every whole frame at the start of `buf` to `on_frame`, in order, and returns the
 /// bytes they took (a partial frame stays for the next read). A payload above

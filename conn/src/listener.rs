@@ -26,7 +26,7 @@ use super::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
 use super::worker::{self, Start};
 use super::{Command, ConnError, ConnShared, ConnectOptions, Connection};
 use crate::registry::{self, Migratable};
-use crate::verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel};
+use rdmamig_verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel};
 
 const BACKLOG: i32 = 64;
 const RELISTEN_INTERVAL: Duration = Duration::from_millis(100);
@@ -357,7 +357,7 @@ fn route_bridge(mut stream: TcpStream, from: SocketAddr, shared: &ListenerShared
     }
 }
 
-fn listen_on(chan: &EventChannel, addr: SocketAddr) -> Result<CmId, crate::verbs::VerbsError> {
+fn listen_on(chan: &EventChannel, addr: SocketAddr) -> Result<CmId, rdmamig_verbs::VerbsError> {
     let id = CmId::create(chan)?;
     id.bind(addr)?;
     id.listen(BACKLOG)?;

@@ -18,8 +18,8 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use thiserror::Error;
 
-use crate::conn::worker::{build_endpoint, error_chain, Endpoint, EXTRA_SEND_SLOTS, RECV_BASE};
-use crate::verbs::{
+use crate::worker::{build_endpoint, error_chain, Endpoint, EXTRA_SEND_SLOTS, RECV_BASE};
+use rdmamig_verbs::{
     refresh_device_list, CmEventKind, CmId, EventChannel, VerbsError, WorkCompletion,
 };
 

@@ -37,8 +37,8 @@ use super::wire::{
     FLAG_MOVING, HEADER_LEN, REGION_ENTRY_LEN,
 };
 use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
-use crate::verbs::watch;
-use crate::verbs::{
+use rdmamig_verbs::watch;
+use rdmamig_verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
     EventChannel, ExposedRegion, IdKey, MemoryRegion, ProtectionDomain, QpCaps, RdmaOp, SendWr,
     VerbsError, WorkCompletion,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::wire::{RegionEntry, ACCESS_READ, ACCESS_WRITE};
 use super::{ConnError, Connection, State};
-use crate::verbs::{ExposedMemory, RemoteAccess};
+use rdmamig_verbs::{ExposedMemory, RemoteAccess};
 
 /// What the peer may do to an exposed buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

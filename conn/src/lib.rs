@@ -2,21 +2,27 @@
 //! QP set up with rdma_cm, that survives a quiesce, a device swap and a resume.
 //!
 //! One worker per connection owns every verbs object of it: an async task that awaits its
-//! descriptors through tokio (conn/worker.rs), on a runtime of its own thread for a
+//! descriptors through tokio (conn/src/worker.rs), on a runtime of its own thread for a
 //! [`Connection`], on the application's runtime for an [`AsyncConnection`]. The
 //! [`Connection`] handle (Send + Sync) talks to the worker through shared queues. The
 //! protocol (wire header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is
 //! described in docs/architecture.md.
 //!
+//! Beside the connection: [`registry`], the library's side of the agent socket (it
+//! registers the process and runs the agent's quiesce and resume on its connections), and
+//! [`plain`], a plain rdma_cm connection with no quiesce or replay, as applications use
+//! today: the baseline the benchmarks compare against. The verbs themselves are
+//! `rdmamig-verbs`'.
+//!
 //! ```no_run
-//! use rdmamig_guest::conn::{ConnectOptions, Connection, Listener};
+//! use rdmamig_conn::{ConnectOptions, Connection, Listener};
 //! use std::time::Duration;
 //! let opts = ConnectOptions::default();
 //! let listener = Listener::bind("10.77.0.1:7471".parse().unwrap(), &opts)?;
 //! let conn = listener.accept(Duration::from_secs(30))?;
 //! conn.send(b"hello")?;
 //! let reply = conn.recv(Duration::from_secs(1))?;
-//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! # Ok::<(), rdmamig_conn::ConnError>(())
 //! ```
 //!
 //! # One-sided RDMA WRITE and READ
@@ -34,7 +40,7 @@
 //! writer's message says so:
 //!
 //! ```no_run
-//! use rdmamig_guest::conn::{Access, ConnectOptions, Listener};
+//! use rdmamig_conn::{Access, ConnectOptions, Listener};
 //! use std::time::Duration;
 //! let listener = Listener::bind("10.77.0.1:7471".parse().unwrap(), &ConnectOptions::default())?;
 //! let conn = listener.accept(Duration::from_secs(30))?;
@@ -45,13 +51,13 @@
 //!     inbox.read(0, &mut data)?;
 //!     println!("peer wrote {} bytes", data.len());
 //! }
-//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! # Ok::<(), rdmamig_conn::ConnError>(())
 //! ```
 //!
 //! The writer takes the handle once, before any move, and keeps using it:
 //!
 //! ```no_run
-//! use rdmamig_guest::conn::{ConnectOptions, Connection};
+//! use rdmamig_conn::{ConnectOptions, Connection};
 //! use std::time::Duration;
 //! let conn = Connection::connect("10.77.0.1:7471".parse().unwrap(), &ConnectOptions::default())?;
 //! let inbox = conn.remote(7, Duration::from_secs(10))?; // waits for the peer's map
@@ -61,7 +67,7 @@
 //! conn.send(&(data.len() as u32).to_be_bytes())?; // delivered after the data
 //! let back = conn.read(&inbox, 0, 4096, Duration::from_secs(30))?; // RDMA READ
 //! assert_eq!(back, data[..4096]);
-//! # Ok::<(), rdmamig_guest::conn::ConnError>(())
+//! # Ok::<(), rdmamig_conn::ConnError>(())
 //! ```
 //!
 //! Errors: [`ConnError::UnknownHandle`] (the peer exposed nothing under that handle within
@@ -76,7 +82,9 @@ mod credits;
 mod failure;
 mod listener;
 mod onesided;
+pub mod plain;
 mod probe;
+pub mod registry;
 mod reply;
 mod sendq;
 pub mod wire;
@@ -99,8 +107,8 @@ pub use onesided::{Access, Exposed, RemoteBuffer};
 pub use probe::{probe_bridge, probe_resume, ProbeAnswer};
 pub use wire::RejectReason;
 
-use crate::registry::{self, Migratable};
-use crate::verbs::{CmId, VerbsError};
+use crate::registry::Migratable;
+use rdmamig_verbs::{CmId, VerbsError};
 use reply::{NoAnswer, Reply};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;

@@ -20,9 +20,9 @@
 //! including a current-thread runtime.
 //!
 //! ```no_run
-//! use rdmamig_guest::conn::{AsyncConnection, AsyncListener, ConnectOptions};
+//! use rdmamig_conn::{AsyncConnection, AsyncListener, ConnectOptions};
 //! use std::time::Duration;
-//! # async fn example() -> Result<(), rdmamig_guest::conn::ConnError> {
+//! # async fn example() -> Result<(), rdmamig_conn::ConnError> {
 //! let opts = ConnectOptions::default();
 //! // Server: echo every message back.
 //! let listener = AsyncListener::bind("10.77.0.1:7471".parse().unwrap(), &opts)?;
@@ -50,9 +50,9 @@
 //! which arrives after the data:
 //!
 //! ```no_run
-//! use rdmamig_guest::conn::{Access, AsyncConnection, AsyncListener, ConnectOptions};
+//! use rdmamig_conn::{Access, AsyncConnection, AsyncListener, ConnectOptions};
 //! use std::time::Duration;
-//! # async fn example() -> Result<(), rdmamig_guest::conn::ConnError> {
+//! # async fn example() -> Result<(), rdmamig_conn::ConnError> {
 //! let (addr, t) = ("10.77.0.1:7472".parse().unwrap(), Duration::from_secs(30));
 //! // Writer (in practice on another machine): the handle stays valid across moves.
 //! let writer = tokio::spawn(async move {

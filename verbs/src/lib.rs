@@ -182,12 +182,12 @@ pub enum VerbsError {
 ///
 /// `as_raw_fd` must return the same open descriptor, referring to the same open file
 /// description, for the value's whole lifetime.
-pub(crate) unsafe trait OwnsFd: AsRawFd {}
+pub unsafe trait OwnsFd: AsRawFd {}
 
 /// Watches `inner`'s descriptor with the current runtime's reactor (called within a runtime
 /// with IO enabled). The watch ends, and the descriptor is deregistered, before `inner` is
 /// dropped with the returned [`AsyncFd`].
-pub(crate) fn watch<T: OwnsFd>(inner: T) -> io::Result<AsyncFd<T>> {
+pub fn watch<T: OwnsFd>(inner: T) -> io::Result<AsyncFd<T>> {
     // SAFETY: `OwnsFd` promises what `register` requires: the descriptor stays open and the
     // same while the AsyncFd owns `inner`.
     unsafe { AsyncFd::register(inner) }.map_err(|e| e.into_parts().1)

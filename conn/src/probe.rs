@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use super::bridge;
 use super::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
 use super::worker::{build_endpoint, error_chain};
-use crate::verbs::{CmEvent, CmEventKind, CmId, EventChannel};
 use rdmamig_proto::ConnectionId;
+use rdmamig_verbs::{CmEvent, CmEventKind, CmId, EventChannel};
 
 /// How the listener answered a probing RESUME.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +95,7 @@ fn attempt(
     conn_id: ConnectionId,
     token: [u8; 16],
 ) -> Result<ProbeAnswer, String> {
-    let verbs = |e: crate::verbs::VerbsError| error_chain(&e);
+    let verbs = |e: rdmamig_verbs::VerbsError| error_chain(&e);
     let chan = EventChannel::new().map_err(verbs)?;
     let id = CmId::create(&chan).map_err(verbs)?;
     id.resolve_addr(peer, STEP).map_err(verbs)?;
