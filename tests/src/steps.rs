@@ -26,7 +26,7 @@ pub fn start_traffic(guest: &Guest, tag: &str, args: &str) -> StepResult<()> {
     guest.run_ok(
         &format!(
             "rm -f /tmp/{tag}.json /tmp/{tag}.ready; \
-             RDMAMIG_LOG=rdmamig_guest=debug rdmamig-traffic {args} --report /tmp/{tag}.json \
+             RDMAMIG_LOG=rdmamig_guest=debug,rdmamig_conn=debug,rdmamig_verbs=debug rdmamig-traffic {args} --report /tmp/{tag}.json \
              --ready-file /tmp/{tag}.ready >/tmp/{tag}.out 2>/tmp/{tag}.err & echo $! >/tmp/{tag}.pid"
         ),
         STEP_TIMEOUT,

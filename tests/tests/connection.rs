@@ -80,14 +80,14 @@ fn traffic_phases(
     let common = format!("--mode migratable --rate {RATE} --agent-socket {AGENT_SOCKET}");
     a.run_ok(
         &format!(
-            "RDMAMIG_LOG=rdmamig_guest=debug rdmamig-traffic serve --listen {server} {common} \
+            "RDMAMIG_LOG=rdmamig_guest=debug,rdmamig_conn=debug,rdmamig_verbs=debug rdmamig-traffic serve --listen {server} {common} \
              --report /tmp/a.json --ready-file /tmp/a.ready >/tmp/a.out 2>/tmp/a.err &"
         ),
         T,
     )?;
     b.run_ok(
         &format!(
-            "RDMAMIG_LOG=rdmamig_guest=debug rdmamig-traffic connect --to {server} {common} \
+            "RDMAMIG_LOG=rdmamig_guest=debug,rdmamig_conn=debug,rdmamig_verbs=debug rdmamig-traffic connect --to {server} {common} \
              --report /tmp/b.json --ready-file /tmp/b.ready >/tmp/b.out 2>/tmp/b.err &"
         ),
         T,
