@@ -31,6 +31,7 @@ use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::agent::AgentClient;
 use rdmamig_migrator::backends::{Backends, VmmBackends};
 use rdmamig_migrator::plan::{EndpointFlags, Strategy, UnmanagedPolicy};
+use rdmamig_migrator::step::StepError;
 use rdmamig_migrator::unmanaged::describe;
 use rdmamig_proto::agent::ReleaseScope;
 use rdmamig_proto::clock::millis;
@@ -358,14 +359,13 @@ async fn pre_migrate(
         .map_err(|e| failed(error_chain(&e), Value::Null))?;
     let named: Vec<String> = unmanaged.iter().map(describe).collect();
     if policy == UnmanagedPolicy::Refuse && !unmanaged.is_empty() {
+        let refusal = StepError::UnmanagedPrograms {
+            count: named.len(),
+            since: "",
+            named: named.join("; "),
+        };
         return Err(failed(
-            format!(
-                "{} program(s) hold an RDMA device without rdmamig's library, and the move \
-                 would break them: {}. Nothing was changed. End them first, or run with \
-                 --unmanaged release (ends them) or --unmanaged ignore (breaks them)",
-                named.len(),
-                named.join("; ")
-            ),
+            format!("{refusal}. Nothing was changed"),
             json!({ "unmanaged": unmanaged }),
         ));
     }
