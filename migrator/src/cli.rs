@@ -7,7 +7,10 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Duration;
+
+use rdmamig_proto::text::error_chain;
 
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -15,6 +18,7 @@ use tokio::net::UnixStream;
 
 use crate::api::{self, ClientRequest, DaemonMessage};
 use crate::channel::{Channel, ChannelError};
+use crate::flags::OutputFlags;
 use crate::machine::Phase;
 use crate::plan::MovePlan;
 use crate::pool::{Attachment, FunctionState};
@@ -157,16 +161,63 @@ pub async fn migrate(
         Output::Json => println!("{}", to_json(&report)),
     }
     if let Some(path) = report_path {
-        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
-        std::fs::write(path, text + "\n").map_err(|source| CliError::WriteReport {
-            path: path.into(),
-            source,
-        })?;
+        write_report(&report, path)?;
     }
     if let Some(path) = svg_path {
         write_svg(&report, path)?;
     }
     Ok(report)
+}
+
+/// Runs `rdmamig migrate` (or a command that does the same, named `program` in messages)
+/// for `plan` through the daemon at `socket`; the exit status says how the move ended:
+/// 0 done, 4 rolled back, 1 failed, 3 the daemon could not be asked.
+pub fn run_migrate(
+    runtime: &tokio::runtime::Runtime,
+    program: &str,
+    socket: &Path,
+    plan: MovePlan,
+    flags: &OutputFlags,
+) -> ExitCode {
+    let output = if flags.json {
+        Output::Json
+    } else {
+        Output::Text
+    };
+    let moved = migrate(
+        socket,
+        plan,
+        output,
+        flags.report.as_deref(),
+        flags.svg.as_deref(),
+    );
+    match runtime.block_on(moved) {
+        Ok(report) if report.ok => ExitCode::SUCCESS,
+        Ok(report) => {
+            eprintln!(
+                "{program}: {}",
+                report.error.as_deref().unwrap_or("the move failed")
+            );
+            if report.final_phase == Phase::RolledBack {
+                ExitCode::from(4)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("{program}: {}", error_chain(&e));
+            ExitCode::from(3)
+        }
+    }
+}
+
+/// Writes the report as pretty JSON.
+pub fn write_report(report: &MoveReport, path: &Path) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(report).unwrap_or_default();
+    std::fs::write(path, text + "\n").map_err(|source| CliError::WriteReport {
+        path: path.into(),
+        source,
+    })
 }
 
 /// Draws the report's timeline to an SVG file.
@@ -584,14 +635,15 @@ mod tests {
                     qmp: "/s".into(),
                     agent: None,
                 },
-                destination: Endpoint::Qemu {
+                destination: Some(Endpoint::Qemu {
                     qmp: "/d".into(),
                     agent: None,
-                },
+                }),
                 destination_migrator: None,
                 detach: "nic0".into(),
-                attach: DeviceSpec::parse("driver=e1000e,id=nic1").unwrap(),
+                attach: Some(DeviceSpec::parse("driver=e1000e,id=nic1").unwrap()),
                 reattach: None,
+                migration: Default::default(),
                 from_pool: false,
                 source_function: None,
                 unmanaged: None,

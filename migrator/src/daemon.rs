@@ -180,7 +180,7 @@ impl Shared {
             ));
         }
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{}-{}-{n}", unix_ms(), sanitize(vm));
+        let id = journal::move_id(vm, n);
         running.insert(
             id.clone(),
             RunningMove {
@@ -274,7 +274,7 @@ impl Shared {
 fn vmms_of(plan: &MovePlan) -> Vec<String> {
     let mut endpoints = vec![&plan.source];
     if plan.destination_migrator.is_none() {
-        endpoints.push(&plan.destination);
+        endpoints.extend(&plan.destination);
     }
     endpoints
         .into_iter()
@@ -285,20 +285,6 @@ fn vmms_of(plan: &MovePlan) -> Vec<String> {
                 .display()
                 .to_string()
         })
-        .collect()
-}
-
-/// A VM name as it may appear in a file name.
-fn sanitize(vm: &str) -> String {
-    vm.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(64)
         .collect()
 }
 
@@ -642,7 +628,7 @@ fn history(dir: &Path, limit: usize) -> Vec<MoveSummary> {
 }
 
 fn load_report(dir: &Path, id: &str) -> Result<MoveReport, String> {
-    if id.is_empty() || id != sanitize(id) || id.len() > 128 {
+    if !journal::is_move_id(id) {
         return Err(format!("{id:?} is not a move id"));
     }
     let path = dir.join(format!("{id}.json"));
@@ -663,10 +649,13 @@ async fn serve_move(mut channel: Channel<UnixStream>, mut plan: MovePlan, shared
         reject(&mut channel, format!("the plan cannot run: {e}")).await;
         return;
     }
-    if let Err(e) = choose_for(&plan, &shared.config.context.pool) {
-        reject(&mut channel, format!("the plan cannot run: {e}")).await;
-        return;
-    }
+    let choice = match choose_for(&plan, &shared.config.context.pool) {
+        Ok(choice) => choice,
+        Err(e) => {
+            reject(&mut channel, format!("the plan cannot run: {e}")).await;
+            return;
+        }
+    };
     if let Err(e) = shared.config.context.destination(&plan) {
         reject(
             &mut channel,
@@ -699,6 +688,7 @@ async fn serve_move(mut channel: Channel<UnixStream>, mut plan: MovePlan, shared
     let task = run_move(
         id.clone(),
         plan,
+        choice,
         journal,
         shared.config.context.clone(),
         events,
@@ -860,6 +850,7 @@ mod tests {
     use crate::fakes::{FakeBackends, FakeHost};
     use crate::plan::tests::plan;
     use crate::pool::{Pool, PoolConfig};
+    use crate::strategy::Choice;
 
     fn shared(dir: &Path) -> Shared {
         let pool = Pool::open(&PoolConfig::default(), &dir.join("pool.json")).unwrap();
@@ -897,7 +888,14 @@ mod tests {
         let journal = Journal::create(&shared.moves_dir(), &id, &plan()).unwrap();
         let (events, received) = mpsc::unbounded_channel();
         let context = shared.config.context.clone();
-        let task = run_move(id.clone(), plan(), journal, context, events);
+        let task = run_move(
+            id.clone(),
+            plan(),
+            Choice::asked(plan().strategy),
+            journal,
+            context,
+            events,
+        );
         let driven = drive(&shared, &id, task, received, Some(&mut channel));
         let report = tokio::time::timeout(WRITE_TIMEOUT * 3, driven)
             .await
@@ -928,10 +926,10 @@ mod tests {
             qmp: "/s2/qmp".into(),
             agent: None,
         };
-        other.destination = crate::plan::Endpoint::Qemu {
+        other.destination = Some(crate::plan::Endpoint::Qemu {
             qmp: "/d2/qmp".into(),
             agent: None,
-        };
+        });
         shared.admit(&other, false).unwrap();
     }
 }

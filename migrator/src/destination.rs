@@ -41,6 +41,9 @@ pub struct Plugged {
     pub driver: String,
     /// It was there already (a restarted source asked again).
     pub already: bool,
+    /// Its PCI address in the guest, when the VMM says.
+    #[serde(default)]
+    pub bdf: Option<String>,
 }
 
 /// The destination's duties in a move. Every call is bounded by `deadline`.
@@ -216,13 +219,12 @@ impl DestinationHost for LocalDestination {
             None => device.clone(),
         };
         let id = spec.id().to_string();
-        let already = bounded(deadline, async {
+        let (already, bdf) = bounded(deadline, async {
             let vmm = self.vmm(endpoint).await?;
             if check_first && vmm.has_device(&id).await? {
-                return Ok(true);
+                return Ok((true, None));
             }
-            vmm.add_device(&spec).await?;
-            Ok(false)
+            Ok((false, vmm.add_device(&spec).await?.bdf))
         })
         .await?;
         if let Some(name) = function {
@@ -232,6 +234,7 @@ impl DestinationHost for LocalDestination {
             id,
             driver: spec.driver().into(),
             already,
+            bdf,
         })
     }
 

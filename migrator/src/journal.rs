@@ -21,12 +21,13 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use rdmamig_proto::ConnectionId;
+use rdmamig_vmm::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::durable;
 use crate::machine::Phase;
-use crate::plan::MovePlan;
+use crate::plan::{Endpoint, MovePlan};
 use crate::pool::Attachment;
 use crate::strategy::Choice;
 
@@ -69,6 +70,20 @@ pub enum Record {
         function: String,
         /// How it is plugged.
         attachment: Attachment,
+    },
+    /// A workflow's move stopped after its detach: the workflow migrates the VM, and its
+    /// `post-migrate` goes on from here.
+    HandedOver {
+        /// The host whose VMM is the source (a `post-migrate` on another host cannot roll
+        /// the move back there).
+        host: String,
+    },
+    /// A workflow's `post-migrate` named the destination: from here the plan has it.
+    Arrived {
+        /// The VMM the VM migrated to.
+        destination: Endpoint,
+        /// The device to plug there.
+        attach: DeviceSpec,
     },
     /// The move is being rolled back.
     RollingBack {
@@ -122,6 +137,28 @@ pub enum JournalError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// A new move's id: when it was made, the VM's name as it may appear in a file name (the
+/// journal and the report are named by the id; at most 64 characters of it), and `n` to tell
+/// moves of one instant apart.
+pub fn move_id(vm: &str, n: u64) -> String {
+    let vm: String = vm.chars().map(file_safe).take(64).collect();
+    format!("{}-{vm}-{n}", rdmamig_proto::clock::unix_ms())
+}
+
+/// Whether `id` can be a move's id (and so names no file outside the moves' directory).
+pub fn is_move_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.chars().all(|c| file_safe(c) == c)
+}
+
+/// `c` as it may appear in a file name: letters, digits, `-` and `_` stay, the rest is `_`.
+fn file_safe(c: char) -> char {
+    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+        c
+    } else {
+        '_'
+    }
 }
 
 /// An open journal, appended to as the move goes.
@@ -244,6 +281,14 @@ impl Replay {
         self.records.iter().any(|r| matches!(r, Record::Migrated))
     }
 
+    /// The source's host, when the move was handed over to a workflow.
+    pub fn handed_over(&self) -> Option<&str> {
+        self.records.iter().find_map(|r| match r {
+            Record::HandedOver { host } => Some(host.as_str()),
+            _ => None,
+        })
+    }
+
     /// Whether a rollback had started.
     pub fn rolling_back(&self) -> Option<&str> {
         self.records.iter().find_map(|r| match r {
@@ -309,11 +354,21 @@ pub fn read(path: &Path) -> Result<Replay, JournalError> {
     }
     let mut records = records.into_iter();
     match records.next() {
-        Some(Record::Begin { id, plan, .. }) => Ok(Replay {
-            id,
-            plan: *plan,
-            records: records.collect(),
-        }),
+        Some(Record::Begin { id, plan, .. }) => {
+            let mut plan = *plan;
+            let records: Vec<Record> = records.collect();
+            for record in &records {
+                if let Record::Arrived {
+                    destination,
+                    attach,
+                } = record
+                {
+                    plan.destination = Some(destination.clone());
+                    plan.attach = Some(attach.clone());
+                }
+            }
+            Ok(Replay { id, plan, records })
+        }
         Some(other) => Err(corrupt(1, format!("the first record is {other:?}"))),
         None => Err(corrupt(1, "no complete begin record".into())),
     }

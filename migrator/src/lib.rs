@@ -45,6 +45,7 @@ pub mod destination;
 pub mod durable;
 #[cfg(test)]
 mod fakes;
+pub mod flags;
 pub mod journal;
 pub mod listen;
 pub mod machine;

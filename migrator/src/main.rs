@@ -5,7 +5,6 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rdmamig_migrator::api::ClientRequest;
@@ -13,18 +12,13 @@ use rdmamig_migrator::backends::VmmBackends;
 use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::config::{Config, ConfigError, PeerConfig};
 use rdmamig_migrator::daemon::DaemonConfig;
+use rdmamig_migrator::flags::{MoveFlags, VmmFlags, DEFAULT_SOCKET};
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::moving::{BoundaryHook, MoveContext};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
-use rdmamig_migrator::plan::{Deadlines, EndpointFlags, MovePlan, Strategy, UnmanagedPolicy};
 use rdmamig_migrator::pool::{Pool, PoolError};
 use rdmamig_migrator::retention::Retention;
 use rdmamig_proto::text::error_chain;
-use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
-use rdmamig_vmm::{DeviceSpec, MigrationLimits, TimeoutStrategy};
-
-/// The daemon socket when none is given.
-const DEFAULT_SOCKET: &str = "/run/rdmamig/rdmamig.sock";
 
 /// The daemon's state directory when none is given.
 const DEFAULT_STATE_DIR: &str = "/var/lib/rdmamig";
@@ -187,137 +181,13 @@ struct MigrateArgs {
     /// The daemon's socket.
     #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
     socket: PathBuf,
-    /// The VM's name (used in messages and the report).
-    #[arg(long)]
-    vm: String,
-    /// QEMU source: its QMP socket.
-    #[arg(long, help_heading = "Source VMM (one of)")]
-    qmp: Option<PathBuf>,
-    /// Cloud Hypervisor source: its --api-socket.
-    #[arg(long, help_heading = "Source VMM (one of)")]
-    api_socket: Option<PathBuf>,
-    /// QEMU source: the agent's virtio-serial chardev socket; needed by `reconnect`.
-    #[arg(long, help_heading = "Source VMM (one of)")]
-    agent: Option<PathBuf>,
-    /// Cloud Hypervisor source: the VM's hybrid vsock socket (--vsock socket=PATH); needed
-    /// by `reconnect`.
-    #[arg(long, help_heading = "Source VMM (one of)")]
-    vsock: Option<PathBuf>,
-    /// Cloud Hypervisor source: its --event-monitor file, which tells the migration's
-    /// outcome at once (without it the move knows only once the source has lost the VM, and
-    /// a failed migration shows as the migrate deadline passing).
-    #[arg(long, help_heading = "Source VMM (one of)")]
-    event_monitor: Option<PathBuf>,
-    /// The id of the device to unplug on the source (the RDMA NIC).
-    #[arg(long)]
-    detach: String,
-    /// QEMU destination: its QMP socket (QEMU started with -incoming defer); a path on the
-    /// destination migrator's host when --destination-migrator is given (so are the other
-    /// destination sockets).
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_qmp: Option<PathBuf>,
-    /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_api_socket: Option<PathBuf>,
-    /// QEMU destination: the agent's virtio-serial chardev socket; needed by `reconnect`.
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_agent: Option<PathBuf>,
-    /// Cloud Hypervisor destination: the VM's hybrid vsock socket; needed by `reconnect`.
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_vsock: Option<PathBuf>,
-    /// The migrator on the destination host that does the destination's duties: a
-    /// [[peer.known]] name from the daemon's config, or host:port.
-    ///
-    /// Without it, this daemon drives both VMMs itself (both on this host). With it, this
-    /// daemon asks that migrator, over mutual TLS with the certificates of the daemon's
-    /// [peer] table, to reserve a function from its pool (--from-pool), ready its VMM
-    /// (--to-qmp, a path on that host) to receive, plug the function after the migration,
-    /// and resume the connections through its agent (--to-agent); a rollback releases its
-    /// reservation the same way. The destination must list this host in its
-    /// [[peer.known]] and present a certificate that is a listed peer's (the named one's)
-    /// for the host part of its address. --via is then where that host receives the
-    /// migration stream (tcp:HOST:PORT between hosts).
-    #[arg(long, value_name = "NAME|HOST:PORT", verbatim_doc_comment)]
-    destination_migrator: Option<String>,
-    /// Cloud Hypervisor: the guest agent's vsock port (both ends).
-    #[arg(long, default_value_t = DEFAULT_AGENT_PORT)]
-    agent_port: u32,
-    /// The device to plug on the destination, as device properties:
-    /// QEMU 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11';
-    /// both VMMs 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'.
-    #[arg(long)]
-    attach: DeviceSpec,
-    /// The device to plug back on the source if the move rolls back after the detach
-    /// (default: the --attach device).
-    #[arg(long)]
-    reattach: Option<DeviceSpec>,
-    /// Plug a function from the destination's pool (reserved at prepare; the move fails
-    /// and rolls back at once when none is free); --attach then gives the id, bus and MAC.
-    #[arg(long)]
-    from_pool: bool,
-    /// The pool function the detached device is (this host's pool): reset after the
-    /// detach, back to the pool when the move is done, quarantined if the reset failed.
-    #[arg(long)]
-    source_function: Option<String>,
-    /// What to do with programs in the guest that hold an RDMA device without the rdmamig
-    /// library (an rping, a raw-verbs tool): the move would break them. refuse: the move is
-    /// refused at prepare, naming them (and rolls back before the unplug if one appeared
-    /// since); release: they are ended (SIGTERM, SIGKILL after 1 s) right before the unplug,
-    /// and if the unplug still misses its deadline whatever holds the device is made to let
-    /// go (the detach may then take up to three times its deadline); ignore: the move goes
-    /// on and the report marks each as broken. Default: the daemon's [moves] unmanaged,
-    /// itself refuse by default.
-    #[arg(long, value_enum)]
-    unmanaged: Option<UnmanagedPolicy>,
-    /// The same as --unmanaged release (its name before that option existed).
-    #[arg(long, conflicts_with = "unmanaged")]
-    force_release: bool,
+    #[command(flatten, next_help_heading = "Source VMM (one of)")]
+    source: VmmFlags,
     /// The migration stream's URI: unix:/path/mig.sock or tcp:host:port.
-    #[arg(long)]
+    #[arg(long, help_heading = "The move")]
     via: String,
-    /// The longest stop-and-copy the VMM may choose, ms (VMM default: QEMU 300, Cloud
-    /// Hypervisor 300).
-    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
-    downtime_ms: Option<u64>,
-    /// The longest the migration may take, s; must be below the migrate phase's deadline
-    /// (--deadline migrate=MS).
-    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
-    migration_timeout_s: Option<u64>,
-    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back)
-    /// or ignore (finish whatever the downtime).
-    #[arg(
-        long,
-        default_value_t = TimeoutStrategy::Cancel,
-        help_heading = "Migration limits (handed to the source VMM)"
-    )]
-    timeout_strategy: TimeoutStrategy,
-    /// Cloud Hypervisor: same-host migration, memory handed over as file descriptors
-    /// (unix: URI, guest memory shared=on). QEMU refuses it.
-    #[arg(long, help_heading = "Migration limits (handed to the source VMM)")]
-    local: bool,
-    /// How the connections get through the move. reconnect: quiesce and resume every
-    /// connection through the guest agent; bridge: as reconnect, but connections opened
-    /// with a TCP bridge carry their messages over it (over a NIC that moves with the VM)
-    /// while the RDMA path is away; naive: unplug, migrate, plug, nothing else;
-    /// vfio-migrate: the VMM moves the function's device state (needs --source-function
-    /// naming a VF whose device supports VFIO migration, refused before anything changes
-    /// otherwise; never run on hardware); auto: vfio-migrate when VFIO says the
-    /// --source-function supports it, reconnect otherwise (the report says why).
-    #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
-    strategy: Strategy,
-    /// A phase deadline, phase=ms (repeatable). Defaults: prepare=10000 quiesce=10000
-    /// detach=5000 migrate=60000 attach=5000 resume=20000 rollback=30000.
-    #[arg(long = "deadline", value_name = "PHASE=MS")]
-    deadlines: Vec<String>,
-    /// Write the JSON report (timeline, migration figures, per-connection outcomes) here.
-    #[arg(long)]
-    report: Option<PathBuf>,
-    /// Draw the timeline as SVG here.
-    #[arg(long)]
-    svg: Option<PathBuf>,
-    /// Print events and the report as JSON lines instead of text.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    the_move: MoveFlags,
 }
 
 fn main() -> ExitCode {
@@ -527,94 +397,18 @@ fn query(
 }
 
 fn migrate(runtime: &tokio::runtime::Runtime, args: MigrateArgs) -> ExitCode {
-    let mut deadlines = Deadlines::default();
-    for item in &args.deadlines {
-        if let Err(e) = deadlines.set(item) {
-            eprintln!("rdmamig migrate: {e}");
-            return ExitCode::from(2);
-        }
-    }
-    let source = EndpointFlags {
-        qmp: args.qmp,
-        api_socket: args.api_socket,
-        agent: args.agent,
-        vsock: args.vsock,
-        event_monitor: args.event_monitor,
-        agent_port: args.agent_port,
-    }
-    .endpoint("source");
-    let destination = EndpointFlags {
-        qmp: args.to_qmp,
-        api_socket: args.to_api_socket,
-        agent: args.to_agent,
-        vsock: args.to_vsock,
-        event_monitor: None,
-        agent_port: args.agent_port,
-    }
-    .endpoint("destination");
-    let (source, destination) = match (source, destination) {
-        (Ok(source), Ok(destination)) => (source, destination),
-        (Err(e), _) | (_, Err(e)) => {
+    let plan = match args.the_move.plan(&args.source, args.via) {
+        Ok(plan) => plan,
+        Err(e) => {
             eprintln!("rdmamig migrate: {e}");
             return ExitCode::from(2);
         }
     };
-    let plan = MovePlan {
-        vm: args.vm,
-        source,
-        destination,
-        destination_migrator: args.destination_migrator,
-        detach: args.detach,
-        attach: args.attach,
-        reattach: args.reattach,
-        from_pool: args.from_pool,
-        source_function: args.source_function,
-        unmanaged: if args.force_release {
-            Some(UnmanagedPolicy::Release)
-        } else {
-            args.unmanaged
-        },
-        via: args.via,
-        limits: MigrationLimits {
-            downtime: args.downtime_ms.map(Duration::from_millis),
-            timeout: args.migration_timeout_s.map(Duration::from_secs),
-            timeout_strategy: args.timeout_strategy,
-            local: args.local,
-        },
-        strategy: args.strategy,
-        deadlines,
-    };
-    if let Err(e) = plan.validate() {
-        eprintln!("rdmamig migrate: {e}");
-        return ExitCode::from(2);
-    }
-    let output = if args.json {
-        Output::Json
-    } else {
-        Output::Text
-    };
-    match runtime.block_on(cli::migrate(
+    cli::run_migrate(
+        runtime,
+        "rdmamig migrate",
         &args.socket,
         plan,
-        output,
-        args.report.as_deref(),
-        args.svg.as_deref(),
-    )) {
-        Ok(report) if report.ok => ExitCode::SUCCESS,
-        Ok(report) => {
-            eprintln!(
-                "rdmamig migrate: {}",
-                report.error.as_deref().unwrap_or("the move failed")
-            );
-            if report.final_phase == Phase::RolledBack {
-                ExitCode::from(4)
-            } else {
-                ExitCode::from(1)
-            }
-        }
-        Err(e) => {
-            eprintln!("rdmamig migrate: {}", error_chain(&e));
-            ExitCode::from(3)
-        }
-    }
+        &args.the_move.output,
+    )
 }

@@ -115,6 +115,19 @@ impl std::fmt::Display for UnmanagedPolicy {
     }
 }
 
+/// Who migrates the VM between the detach and the attach.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationBy {
+    /// The migrator tells the source VMM to migrate and follows it (`rdmamig migrate`).
+    #[default]
+    Migrator,
+    /// A live-migration workflow (libvirt, a script around `ch-remote`): `pre-migrate` runs
+    /// the move to its detach and hands it over; the workflow migrates; `post-migrate`
+    /// confirms the arrival and runs the rest, from the same journal.
+    Workflow,
+}
+
 /// One end of the move: which VMM runs the VM, how to reach it, and (for strategies that
 /// use it) how to reach the guest agent through it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -306,19 +319,25 @@ pub struct MovePlan {
     pub source: Endpoint,
     /// The VMM process that receives it (QEMU started with `-incoming defer`; a Cloud
     /// Hypervisor without a VM), on the host of `destination_migrator` when that is given.
-    pub destination: Endpoint,
+    /// `None` only in a workflow's move until `post-migrate` names it.
+    pub destination: Option<Endpoint>,
     /// The migrator that does the destination's duties (a `[[peer.known]]` name or
     /// `host:port`), over mutual TLS; `None`: this host's daemon does them itself.
     #[serde(default)]
     pub destination_migrator: Option<String>,
     /// The device to unplug on the source (the RDMA NIC).
     pub detach: String,
-    /// The device to plug on the destination.
-    pub attach: DeviceSpec,
+    /// The device to plug on the destination; `None` only in a workflow's move until
+    /// `post-migrate` names it.
+    pub attach: Option<DeviceSpec>,
     /// The device to plug back on the source if the move rolls back after the detach;
     /// `attach` when not given (the destination runs the VM's own configuration).
     #[serde(default)]
     pub reattach: Option<DeviceSpec>,
+    /// Who migrates the VM: the migrator (the source VMM is told to), or the workflow
+    /// around `rdmamig-vmm pre-migrate` and `post-migrate`.
+    #[serde(default)]
+    pub migration: MigrationBy,
     /// Plug a function from the destination's pool (reserved at prepare) instead of
     /// `attach` as it is; `attach` then gives the properties the function does not (id,
     /// bus, MAC).
@@ -333,7 +352,9 @@ pub struct MovePlan {
     /// daemon fills it in when it admits the move, so the journal holds the policy that ran.
     #[serde(default)]
     pub unmanaged: Option<UnmanagedPolicy>,
-    /// Where the migration stream goes (`unix:/path` or `tcp:host:port`).
+    /// Where the migration stream goes (`unix:/path` or `tcp:host:port`); empty when the
+    /// workflow migrates.
+    #[serde(default)]
     pub via: String,
     /// The migration's own bounds, handed to the source VMM.
     #[serde(default)]
@@ -398,9 +419,9 @@ pub enum PlanError {
 }
 
 impl MovePlan {
-    /// The device a rollback plugs back on the source.
-    pub fn reattach_spec(&self) -> &DeviceSpec {
-        self.reattach.as_ref().unwrap_or(&self.attach)
+    /// The device a rollback plugs back on the source, if the plan names one.
+    pub fn reattach_spec(&self) -> Option<&DeviceSpec> {
+        self.reattach.as_ref().or(self.attach.as_ref())
     }
 
     /// Checks what can be checked before touching any VMM.
@@ -422,15 +443,27 @@ impl MovePlan {
                 field: "device to detach",
             });
         }
-        let via_ok = self
-            .via
-            .strip_prefix("unix:")
-            .or_else(|| self.via.strip_prefix("tcp:"))
-            .is_some_and(|rest| !rest.is_empty());
-        if !via_ok {
-            return Err(PlanError::Via {
-                uri: self.via.clone(),
-            });
+        if self.migration == MigrationBy::Migrator {
+            if self.destination.is_none() {
+                return Err(PlanError::Empty {
+                    field: "destination VMM",
+                });
+            }
+            if self.attach.is_none() {
+                return Err(PlanError::Empty {
+                    field: "device to attach",
+                });
+            }
+            let via_ok = self
+                .via
+                .strip_prefix("unix:")
+                .or_else(|| self.via.strip_prefix("tcp:"))
+                .is_some_and(|rest| !rest.is_empty());
+            if !via_ok {
+                return Err(PlanError::Via {
+                    uri: self.via.clone(),
+                });
+            }
         }
         if let Some(timeout) = self.limits.timeout {
             let deadline = self.deadlines.of(Phase::Migrate);
@@ -442,8 +475,12 @@ impl MovePlan {
             }
         }
         if self.strategy != Strategy::Naive {
-            for (side, endpoint) in [("source", &self.source), ("destination", &self.destination)] {
-                if !endpoint.has_agent() {
+            let ends = [
+                ("source", Some(&self.source)),
+                ("destination", self.destination.as_ref()),
+            ];
+            for (side, endpoint) in ends {
+                if endpoint.is_some_and(|e| !e.has_agent()) {
                     return Err(PlanError::MissingAgent {
                         strategy: self.strategy,
                         side,
@@ -466,14 +503,17 @@ pub(crate) mod tests {
                 qmp: "/s/qmp".into(),
                 agent: Some("/s/agent".into()),
             },
-            destination: Endpoint::Qemu {
+            destination: Some(Endpoint::Qemu {
                 qmp: "/d/qmp".into(),
                 agent: Some("/d/agent".into()),
-            },
+            }),
             destination_migrator: None,
             detach: "nic0".into(),
-            attach: DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
+            attach: Some(
+                DeviceSpec::parse("driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1").unwrap(),
+            ),
             reattach: None,
+            migration: MigrationBy::Migrator,
             from_pool: false,
             source_function: None,
             unmanaged: None,
@@ -541,12 +581,12 @@ pub(crate) mod tests {
         ));
         p.limits.timeout = Some(Duration::from_secs(59));
         assert_eq!(p.validate(), Ok(()));
-        p.destination = Endpoint::CloudHypervisor {
+        p.destination = Some(Endpoint::CloudHypervisor {
             api_socket: "/d/api".into(),
             event_monitor: None,
             vsock: None,
             agent_port: 7077,
-        };
+        });
         assert_eq!(
             p.validate(),
             Err(PlanError::MissingAgent {
@@ -609,12 +649,12 @@ pub(crate) mod tests {
     #[test]
     fn plan_round_trips_through_json() {
         let mut p = plan();
-        p.destination = Endpoint::CloudHypervisor {
+        p.destination = Some(Endpoint::CloudHypervisor {
             api_socket: "/d/api".into(),
             event_monitor: Some("/d/events".into()),
             vsock: Some("/d/vsock".into()),
             agent_port: 7077,
-        };
+        });
         p.limits.downtime = Some(Duration::from_millis(200));
         p.limits.local = true;
         let json = serde_json::to_string(&p).unwrap();

@@ -81,6 +81,25 @@ pub enum StepError {
         /// The phase.
         phase: Phase,
     },
+    /// The plan does not name something this step needs (a workflow's move learns its
+    /// destination only at `post-migrate`).
+    #[error("the move does not name {what}")]
+    NotNamed {
+        /// What is missing, in words.
+        what: &'static str,
+    },
+    /// The source VMM is on another host than this process (a workflow's `post-migrate`
+    /// ran on the destination host), so this process cannot undo the move there.
+    #[error(
+        "the source VMM is on host {host}, not this one ({here}): run the source side by hand \
+         there (the VM, paused after its migration, resumes with its NIC plugged back)"
+    )]
+    SourceElsewhere {
+        /// Where the move began.
+        host: String,
+        /// This host.
+        here: String,
+    },
     /// Programs hold an RDMA device without the library, and the policy is `refuse`.
     #[error(
         "{count} program(s) in the guest hold an RDMA device without rdmamig's library, and \
@@ -112,6 +131,8 @@ impl StepError {
             | StepError::VmState { .. }
             | StepError::ConnectionsLost { .. }
             | StepError::Interrupted { .. }
+            | StepError::NotNamed { .. }
+            | StepError::SourceElsewhere { .. }
             | StepError::UnmanagedPrograms { .. } => false,
         }
     }

@@ -26,6 +26,16 @@ pub struct Choice {
     pub reason: String,
 }
 
+impl Choice {
+    /// The strategy the plan asked for, which needs no question to VFIO.
+    pub fn asked(strategy: Strategy) -> Choice {
+        Choice {
+            strategy,
+            reason: "asked for".into(),
+        }
+    }
+}
+
 /// What the source's function can do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FunctionSupport {
@@ -117,10 +127,7 @@ pub fn choose(
 ) -> Result<Choice, StrategyError> {
     let verdict = function.map(|(name, support)| (name, support.why_not()));
     match (asked, verdict) {
-        (Strategy::Reconnect | Strategy::Bridge | Strategy::Naive, _) => Ok(Choice {
-            strategy: asked,
-            reason: "asked for".into(),
-        }),
+        (Strategy::Reconnect | Strategy::Bridge | Strategy::Naive, _) => Ok(Choice::asked(asked)),
         (Strategy::VfioMigrate, None) => Err(StrategyError::NoFunction),
         (Strategy::VfioMigrate, Some((function, Some(why)))) => Err(StrategyError::Unsupported {
             function: function.into(),

@@ -91,6 +91,23 @@ impl TimelineRecorder {
         }
     }
 
+    /// Goes on with `earlier`, the timeline of the same move's first part in another
+    /// process (a workflow's `pre-migrate`): its phases stay, and times count from its start.
+    pub fn continuing(earlier: Timeline) -> TimelineRecorder {
+        let since =
+            std::time::Duration::from_millis(unix_ms().saturating_sub(earlier.started_unix_ms));
+        let now = Instant::now();
+        TimelineRecorder {
+            start: now.checked_sub(since).unwrap_or(now),
+            timeline: Timeline {
+                ended_unix_ms: 0,
+                total_ms: 0,
+                ..earlier
+            },
+            open: None,
+        }
+    }
+
     /// When the move started (monotonic clock).
     pub fn started_at(&self) -> Instant {
         self.start

@@ -87,6 +87,20 @@ impl Found {
         self.programs.len() - before
     }
 
+    /// Takes back what an earlier report of the same move said (a workflow's move goes on
+    /// in another process).
+    pub fn add_reports(&mut self, reports: Vec<ProgramReport>) {
+        for report in reports {
+            if !self
+                .programs
+                .iter()
+                .any(|p| p.program.pid == report.program.pid)
+            {
+                self.programs.push(report);
+            }
+        }
+    }
+
     /// How many were found.
     pub fn len(&self) -> usize {
         self.programs.len()

@@ -3,7 +3,9 @@
 //!
 //! - Hooks: `rdmamig-vmm pre-migrate` on the source (quiesce, unplug), then the workflow's
 //!   own migration (here plain QMP `migrate-incoming` + `migrate`, as libvirt would issue),
-//!   then `rdmamig-vmm post-migrate` on the destination (plug, resume).
+//!   then `rdmamig-vmm post-migrate` on the destination (plug, resume): one move, with a
+//!   journal and a report like a daemon's move. A post-migrate whose attach fails rolls the
+//!   move back to the source, traffic and all.
 //! - Wrapper: `rdmamig-vmm migrate <destination_url>` in place of
 //!   `ch-remote send-migration <destination_url>`, through the rdmamig daemon.
 //!
@@ -44,6 +46,11 @@ fn rdmamig_vmm(args: &[String]) -> StepResult<(i32, Value, String)> {
         .find_map(|line| serde_json::from_str::<Value>(line).ok())
         .unwrap_or(Value::Null);
     Ok((output.status.code().unwrap_or(-1), report, stdout + &stderr))
+}
+
+/// The hooks' state directory of a test bed: where a hooks move's journal and report go.
+fn state_dir(bed: &Testbed) -> String {
+    bed.dir().join("hooks").display().to_string()
 }
 
 fn vmm_args(guest: &Guest) -> Vec<String> {
@@ -140,13 +147,15 @@ fn run(
 
 #[test]
 fn hooks_around_the_workflows_migration_keep_every_message() {
-    let outcome = run("hooks", |_, src, dst| {
+    let outcome = run("hooks", |bed, src, dst| {
         let mut pre = vmm_args(src);
         pre.extend([
             "pre-migrate".into(),
             "--detach".into(),
             "nic0".into(),
             "--bridge".into(),
+            "--state-dir".into(),
+            state_dir(bed),
         ]);
         let (code, report, output) = rdmamig_vmm(&pre)?;
         eprintln!("pre-migrate: {output}");
@@ -154,19 +163,138 @@ fn hooks_around_the_workflows_migration_keep_every_message() {
         assert_eq!(report["ok"], true);
         assert!(report["connections"].as_u64() >= Some(1), "{report}");
         assert_eq!(report["quiesced"], report["connections"], "{report}");
+        let id = report["move"].as_str().unwrap_or_default().to_string();
+        let journal = report["journal"].as_str().unwrap_or_default().to_string();
+        assert!(!id.is_empty() && !journal.is_empty(), "{report}");
 
         let migration = workflow_migrates(src, dst)?;
         eprintln!("workflow migration: {migration:?}");
 
         let mut post = vmm_args(dst);
-        post.extend(["post-migrate".into(), "--attach".into(), nic(dst)]);
+        post.extend([
+            "post-migrate".into(),
+            "--attach".into(),
+            nic(dst),
+            "--state-dir".into(),
+            state_dir(bed),
+        ]);
         let (code, report, output) = rdmamig_vmm(&post)?;
         eprintln!("post-migrate: {output}");
         assert_eq!(code, 0, "post-migrate failed: {output}");
         assert_eq!(report["resumed"], report["connections"], "{report}");
         assert_eq!(report["bdf"], "0000:01:00.0", "{report}");
+        assert_eq!(
+            report["move"],
+            id.as_str(),
+            "post-migrate went on with another move"
+        );
+        assert_journaled_and_reported(&journal, &report, "done")?;
         Ok(())
     });
+    if let Err(e) = outcome {
+        panic!("{}", error_chain(&*e));
+    }
+}
+
+/// Checks a hooks move's journal and report, as a daemon move's are checked: the journal
+/// ends with the move's end, and the report holds the whole move (every working phase, in
+/// order, from both hooks) and ended in `final_phase`.
+fn assert_journaled_and_reported(journal: &str, line: &Value, final_phase: &str) -> StepResult<()> {
+    let text = std::fs::read_to_string(journal)?;
+    let records: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(records[0]["record"], "begin", "{text}");
+    let last = records.last().cloned().unwrap_or_default();
+    assert_eq!(last["record"], "end", "{text}");
+    assert_eq!(last["phase"], final_phase, "{text}");
+    for record in ["handed_over", "arrived", "migrated"] {
+        assert!(
+            records.iter().any(|r| r["record"] == record),
+            "no {record} record in the journal:\n{text}"
+        );
+    }
+    let path = line["report"].as_str().unwrap_or_default();
+    let report: Value = serde_json::from_slice(&std::fs::read(path)?)?;
+    assert_eq!(report["final_phase"], final_phase, "{report}");
+    let phases: Vec<&str> = report["timeline"]["phases"]
+        .as_array()
+        .map(|phases| phases.iter().filter_map(|p| p["phase"].as_str()).collect())
+        .unwrap_or_default();
+    let working = ["prepare", "quiesce", "detach", "migrate", "attach"];
+    assert_eq!(&phases[..working.len()], &working, "{report}");
+    Ok(())
+}
+
+#[test]
+fn a_post_migrate_hook_whose_attach_fails_rolls_the_move_back() {
+    let bed = Testbed::new("hookback").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let outcome = (|| -> StepResult<()> {
+        let peer_spec = bed.guest_spec("peer")?;
+        let src_spec = bed.guest_spec("src")?;
+        let dst_spec = bed.incoming_spec(&src_spec, "dst")?;
+        let (peer, src) = std::thread::scope(|s| {
+            let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
+            let src = s.spawn(|| bed.start_guest(src_spec.clone()));
+            (peer.join().expect("boot"), src.join().expect("boot"))
+        });
+        let (peer, src) = (peer?, src?);
+        let dst = bed.start_incoming(dst_spec)?;
+        let server = format!("{}:{PORT}", peer_spec.address());
+        let mode = format!("--mode migratable --rate {RATE}");
+        steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
+        steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
+        steps::wait_ready(&peer, "h")?;
+        steps::wait_ready(&src, "h")?;
+        std::thread::sleep(Duration::from_secs(2));
+
+        let mut pre = vmm_args(&src);
+        pre.extend([
+            "pre-migrate".into(),
+            "--detach".into(),
+            "nic0".into(),
+            "--reattach".into(),
+            nic(&src),
+            "--state-dir".into(),
+            state_dir(&bed),
+        ]);
+        let (code, report, output) = rdmamig_vmm(&pre)?;
+        eprintln!("pre-migrate: {output}");
+        assert_eq!(code, 0, "pre-migrate failed: {output}");
+        let journal = report["journal"].as_str().unwrap_or_default().to_string();
+        workflow_migrates(&src, &dst)?;
+        // The destination has no backend of that name: QEMU refuses the device_add.
+        let mut post = vmm_args(&dst);
+        post.extend([
+            "post-migrate".into(),
+            "--attach".into(),
+            "driver=virtio-net-pci,id=nic0,netdev=no-such-netdev,bus=rp1".into(),
+            "--state-dir".into(),
+            state_dir(&bed),
+        ]);
+        let (code, report, output) = rdmamig_vmm(&post)?;
+        eprintln!("post-migrate with a NIC the destination cannot plug: {output}");
+        assert_eq!(code, 1, "{output}");
+        assert_eq!(report["ok"], false, "{report}");
+        assert_eq!(report["failed_phase"], "attach", "{report}");
+        assert_eq!(report["phase"], "rolled_back", "{report}");
+        assert_eq!(report["vm_location"], "source", "{report}");
+        assert_eq!(report["resumed"], report["connections"], "{report}");
+        assert_journaled_and_reported(&journal, &report, "rolled_back")?;
+        // The VM runs on the source again, with its NIC, and its traffic went on there.
+        let status = src.qmp()?.execute("query-status", json!({}))?;
+        assert_eq!(status["status"], "running", "{status}");
+        std::thread::sleep(Duration::from_secs(3));
+        steps::stop_traffic(&src, "h")?;
+        steps::stop_traffic(&peer, "h")?;
+        let back = steps::collect_report(&src, "h")?;
+        let peer_report = steps::collect_report(&peer, "h")?;
+        eprintln!("peer received: {peer_report:?}\nrolled-back VM received: {back:?}");
+        steps::assert_clean("peer", &peer_report, &back);
+        steps::assert_clean("rolled-back VM", &back, &peer_report);
+        Ok(())
+    })();
     if let Err(e) = outcome {
         panic!("{}", error_chain(&*e));
     }
@@ -193,8 +321,14 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
             "pre-migrate".into(),
             "--detach".into(),
             "nic0".into(),
-            "--detach-ms".into(),
-            "2000".into(),
+            "--reattach".into(),
+            nic(&src),
+            "--deadline".into(),
+            "detach=2000".into(),
+            "--deadline".into(),
+            "rollback=5000".into(),
+            "--state-dir".into(),
+            state_dir(&bed),
         ]);
         let (code, report, output) = rdmamig_vmm(&pre)?;
         eprintln!("pre-migrate with an unmanaged program: {output}");
@@ -221,14 +355,15 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
                 .is_some_and(|e| e.contains("did not release device nic0")),
             "{report}"
         );
-        assert_eq!(report["unplug_pending"], true, "{report}");
         // Measured: the guest had begun removing the NIC (`unregister_netdevice: waiting
-        // for eth0`), so its port is down and the connections cannot resume on it; the
-        // hook says so instead of claiming the VM is as it was.
+        // for eth0`) and cannot finish while the holder runs, so the rollback can neither
+        // plug the NIC again nor resume on it; the hook says so instead of claiming the VM
+        // is as it was.
+        assert_eq!(report["phase"], "failed", "{report}");
         assert!(
-            report["resumed_on_source"]
+            report["rollback_error"]
                 .as_str()
-                .is_some_and(|e| e.contains("ACTIVE")),
+                .is_some_and(|e| e.contains("has not finished removing device nic0")),
             "{report}"
         );
         // Once the holder exits, the pending unplug completes without a new request.
@@ -272,8 +407,6 @@ fn the_migrate_wrapper_moves_through_the_daemon() {
             nic(dst),
             "--report".into(),
             report.display().to_string(),
-            "--rdmamig".into(),
-            bin_dir().join("rdmamig").display().to_string(),
         ]);
         let (code, _, output) = rdmamig_vmm(&args)?;
         eprintln!("rdmamig-vmm migrate:\n{output}");

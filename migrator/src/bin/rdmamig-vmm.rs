@@ -1,44 +1,44 @@
 //! `rdmamig-vmm`: the commands a live-migration workflow calls, so that an existing workflow
 //! gains rdmamig by changing one command.
 //!
-//! - `pre-migrate` (on the source, before the workflow migrates): the guest agent quiesces
-//!   every RDMA connection and releases the NIC, then the NIC is hot-unplugged. Programs
-//!   that hold an RDMA device without the library are found first, and `--unmanaged`
-//!   decides as for `rdmamig migrate`: refuse (the hook fails before anything changes),
-//!   release (they are ended before the unplug) or ignore (the report lists them as
-//!   broken). If the unplug does not complete (a process still holds the NIC) the hook
-//!   fails, so the workflow stops; it tries to resume the connections on the source and
-//!   reports whether that worked (on Linux the unplug stays pending and the port is already
-//!   down, so usually not: the holder must go, and the NIC with it).
-//! - `post-migrate` (on the destination, after the migration): the new NIC is hot-plugged
-//!   and the agent resumes every connection on it.
+//! - `pre-migrate` (on the source, before the workflow migrates) and `post-migrate` (after
+//!   it): one move, run by the migrator's own runner in two processes, with one journal and
+//!   one report under `--state-dir` (`<dir>/moves/<id>.journal`, `<id>.json`).
+//!   `pre-migrate` runs prepare (the agent lists the connections and the programs that hold
+//!   an RDMA device without the library; `--unmanaged` decides as for `rdmamig migrate`),
+//!   quiesce and detach, then hands the move over to the workflow; a failure rolls back on
+//!   the source (the NIC plugged back with `--reattach`, the connections resumed) and the
+//!   hook fails, so the workflow stops. `post-migrate` goes on from that journal: it
+//!   confirms that the VM runs on the destination, plugs the new NIC and resumes every
+//!   connection; a failure before the resume rolls back as a daemon's move does (the
+//!   destination's copy is discarded, the source runs again with its NIC plugged back).
 //! - `migrate` (in place of `ch-remote send-migration [--local] <destination_url>`): the
-//!   whole coordinated move, through the rdmamig daemon (`rdmamig migrate`), with the same
-//!   destination arguments and the migration's limits; the destination VMM is named with
-//!   `--to-api-socket` (Cloud Hypervisor) or `--to-qmp` (QEMU).
+//!   whole coordinated move, through the rdmamig daemon, with the same destination
+//!   arguments and the migration's limits, and the flags of `rdmamig migrate`.
 //!
-//! Every command names the VM's VMM and agent channel the same way as `rdmamig migrate`
-//! (QEMU: `--qmp` and virtio-serial `--agent`; Cloud Hypervisor: `--api-socket` and hybrid
-//! vsock `--vsock`), reached through the migrator's own backends. Each hook prints one JSON
-//! line saying what it did.
+//! Every command names the VM's VMM and agent channel as `rdmamig migrate` names its source
+//! (the flags are the same declaration, [`rdmamig_migrator::flags`]). Each hook prints what
+//! happened as it happens (stderr) and one JSON line at the end (stdout).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
-use rdmamig_migrator::agent::AgentClient;
-use rdmamig_migrator::backends::{Backends, VmmBackends};
-use rdmamig_migrator::plan::{EndpointFlags, Strategy, UnmanagedPolicy};
-use rdmamig_migrator::step::StepError;
-use rdmamig_migrator::unmanaged::describe;
-use rdmamig_proto::agent::ReleaseScope;
-use rdmamig_proto::clock::millis;
+use rdmamig_migrator::backends::VmmBackends;
+use rdmamig_migrator::cli::{self, write_report};
+use rdmamig_migrator::flags::{GuestFlags, MoveFlags, VmmFlags, DEFAULT_SOCKET};
+use rdmamig_migrator::journal::{self, Journal};
+use rdmamig_migrator::machine::Phase;
+use rdmamig_migrator::moving::{run_after_handover, run_to_handover, MoveContext};
+use rdmamig_migrator::plan::{MigrationBy, MovePlan, Strategy};
+use rdmamig_migrator::pool::{Pool, PoolConfig};
+use rdmamig_migrator::report::{MoveEvent, MoveReport, VmLocation};
+use rdmamig_migrator::strategy::choose_for;
 use rdmamig_proto::text::error_chain;
-use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
-use rdmamig_vmm::{DeviceSpec, TimeoutStrategy, Vmm};
+use rdmamig_vmm::DeviceSpec;
 use serde_json::{json, Value};
+use tokio::sync::mpsc;
 
 #[derive(Parser)]
 #[command(
@@ -46,11 +46,16 @@ use serde_json::{json, Value};
     version,
     about = "Hooks and a migrate wrapper that add rdmamig to a live-migration workflow",
     long_about = "Hooks and a migrate wrapper that add rdmamig to a live-migration workflow.\n\n\
-QEMU (libvirt hook, or around `virsh migrate` / QMP migrate):\n  \
-rdmamig-vmm --qmp /run/vm1/qmp.sock --agent /run/vm1/agent.sock pre-migrate --detach nic0\n  \
+The hooks are one move in two steps, journaled under --state-dir like a daemon's move: \
+pre-migrate (prepare, quiesce, detach) hands the move over to the workflow and prints its \
+id; post-migrate goes on from that journal (confirm the VM arrived, attach, resume). A \
+failure rolls back as a daemon's move does, and the hook fails.\n\n\
+QEMU (around `virsh migrate` or QMP migrate):\n  \
+rdmamig-vmm --qmp /run/vm1/qmp.sock --agent /run/vm1/agent.sock pre-migrate --detach nic0 \\\n    \
+--reattach 'driver=vfio-pci,host=0000:3b:02.1,id=nic0,bus=rp1'\n  \
 ... the workflow migrates the VM ...\n  \
 rdmamig-vmm --qmp /run/vm1-dst/qmp.sock --agent /run/vm1-dst/agent.sock post-migrate \\\n    \
---attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1,bus=rp1'\n\n\
+--attach 'driver=vfio-pci,host=0000:3b:02.2,id=vf1,bus=rp1'\n\n\
 Cloud Hypervisor (around `ch-remote send-migration`):\n  \
 rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock pre-migrate --detach vf0\n  \
 ch-remote --api-socket /run/vm1/api.sock send-migration unix:/run/vm1/mig.sock\n  \
@@ -62,182 +67,114 @@ rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock \\\n    \
 --event-monitor /run/vm1/events.json migrate tcp:dst-host:6000 \\\n    \
 --to-api-socket /run/vm1-dst/api.sock --to-vsock /run/vm1-dst/vsock.sock \\\n    \
 --vm vm1 --detach vf0 --attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'\n\n\
-Exit status: 0 done, 1 failed (the JSON line and stderr say why), 2 usage."
+Exit status: 0 done, 1 failed (the JSON line and stderr say why), 2 usage; migrate as \
+`rdmamig migrate` (4 rolled back, 3 the daemon could not be asked)."
 )]
 struct Cli {
-    #[command(flatten)]
-    vmm: VmmArgs,
+    #[command(flatten, next_help_heading = "The VM's VMM (one of)")]
+    vmm: VmmFlags,
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Args)]
-struct VmmArgs {
-    /// QEMU's QMP socket.
-    #[arg(long, global = true, conflicts_with = "api_socket")]
-    qmp: Option<PathBuf>,
-    /// Cloud Hypervisor's --api-socket.
-    #[arg(long, global = true)]
-    api_socket: Option<PathBuf>,
-    /// The agent's virtio-serial chardev socket (QEMU).
-    #[arg(long, global = true, conflicts_with = "vsock")]
-    agent: Option<PathBuf>,
-    /// The VM's hybrid vsock socket (Cloud Hypervisor --vsock socket=PATH).
-    #[arg(long, global = true)]
-    vsock: Option<PathBuf>,
-    /// The agent's vsock port in the guest.
-    #[arg(long, global = true, default_value_t = DEFAULT_AGENT_PORT)]
-    agent_port: u32,
-    /// Cloud Hypervisor's --event-monitor file (migrate: how the migration's outcome is
-    /// known at once).
-    #[arg(long, global = true)]
-    event_monitor: Option<PathBuf>,
-}
-
-impl VmmArgs {
-    /// The endpoint the flags name (the same rules as `rdmamig migrate`).
-    fn flags(&self) -> EndpointFlags {
-        EndpointFlags {
-            qmp: self.qmp.clone(),
-            api_socket: self.api_socket.clone(),
-            agent: self.agent.clone(),
-            vsock: self.vsock.clone(),
-            event_monitor: self.event_monitor.clone(),
-            agent_port: self.agent_port,
-        }
-    }
-}
-
 #[derive(Subcommand)]
 enum Command {
-    /// On the source, before the migration: quiesce every connection, unplug the NIC.
-    PreMigrate {
-        /// The id of the NIC to unplug.
-        #[arg(long)]
-        detach: String,
-        /// Deadline for the quiesce, ms.
-        #[arg(long, default_value_t = 10_000)]
-        quiesce_ms: u64,
-        /// Deadline for the unplug, ms (the guest releases the NIC only when nothing holds it).
-        #[arg(long, default_value_t = 5_000)]
-        detach_ms: u64,
-        /// Strategy bridge: connections with a TCP bridge carry their messages over it until
-        /// post-migrate has brought the RDMA path back.
-        #[arg(long)]
-        bridge: bool,
-        /// Programs holding an RDMA device without the rdmamig library: refuse (fail before
-        /// anything changes, naming them), release (end them before the unplug) or ignore
-        /// (unplug anyway; the report lists them as broken).
-        #[arg(long, value_enum, default_value_t = UnmanagedPolicy::Refuse)]
-        unmanaged: UnmanagedPolicy,
-    },
-    /// On the destination, after the migration: plug the new NIC, resume every connection.
-    PostMigrate {
-        /// The NIC to plug, as device properties:
-        /// 'driver=vfio-pci,host=0000:3b:02.1,id=vf1' (QEMU also takes bus=, netdev=, ...).
-        #[arg(long)]
-        attach: DeviceSpec,
-        /// Deadline for the resume, ms (includes waiting for the new RDMA port).
-        #[arg(long, default_value_t = 20_000)]
-        resume_ms: u64,
-    },
+    /// On the source, before the migration: quiesce every connection, unplug the NIC, hand
+    /// the move over to the workflow.
+    PreMigrate(Box<PreMigrateArgs>),
+    /// On the destination, after the migration: confirm the VM arrived, plug the new NIC,
+    /// resume every connection.
+    PostMigrate(PostMigrateArgs),
     /// The whole coordinated move through the rdmamig daemon, in place of
     /// `ch-remote send-migration [--local] <destination_url>`.
     Migrate(Box<MigrateArgs>),
+}
+
+/// Where the hooks keep their moves when no --state-dir is given.
+const DEFAULT_STATE_DIR: &str = "/var/lib/rdmamig/hooks";
+
+/// How far past the migration's own timeout the move's migrate deadline lies: the VMM's
+/// timeout strategy decides, not the deadline.
+const DEADLINE_PAST_TIMEOUT_S: u64 = 10;
+
+#[derive(Args)]
+struct StateFlags {
+    /// Where the hooks keep each move's journal and report (`<dir>/moves/`); post-migrate
+    /// goes on from pre-migrate's journal there (on another host, copy
+    /// `<dir>/moves/<id>.journal` there first). Not the daemon's state directory: its
+    /// recovery would take these moves for its own.
+    #[arg(long, env = "RDMAMIG_HOOKS_DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// Also write the move's JSON report here (post-migrate, or a failed pre-migrate).
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+impl StateFlags {
+    fn moves(&self) -> PathBuf {
+        self.state_dir.join("moves")
+    }
+}
+
+#[derive(Args)]
+struct PreMigrateArgs {
+    /// The id of the NIC to unplug.
+    #[arg(long)]
+    detach: String,
+    /// The NIC to plug back on the source if the move rolls back after the unplug, as
+    /// device properties (without it such a rollback cannot give the VM its NIC back).
+    #[arg(long)]
+    reattach: Option<DeviceSpec>,
+    /// The VM's name in messages and the report (default: its VMM's control socket).
+    #[arg(long)]
+    vm: Option<String>,
+    /// The same as --strategy bridge: connections with a TCP bridge carry their messages
+    /// over it until post-migrate has brought the RDMA path back.
+    #[arg(long)]
+    bridge: bool,
+    #[command(flatten, next_help_heading = "The guest")]
+    guest: GuestFlags,
+    #[command(flatten)]
+    state: StateFlags,
+}
+
+#[derive(Args)]
+struct PostMigrateArgs {
+    /// The NIC to plug, as device properties:
+    /// 'driver=vfio-pci,host=0000:3b:02.1,id=vf1' (QEMU also takes bus=, netdev=, ...).
+    #[arg(long)]
+    attach: DeviceSpec,
+    /// The move pre-migrate handed over (its JSON line's `move`); default: the one move
+    /// handed over in --state-dir.
+    #[arg(long = "move", value_name = "ID")]
+    move_id: Option<String>,
+    #[command(flatten)]
+    state: StateFlags,
 }
 
 #[derive(Args)]
 struct MigrateArgs {
     /// Where the migration stream goes: unix:PATH or tcp:HOST:PORT (as ch-remote takes it).
     destination_url: String,
-    /// Same-host migration, memory handed over as file descriptors (ch-remote's --local;
-    /// Cloud Hypervisor only).
-    #[arg(long)]
-    local: bool,
-    /// The longest stop-and-copy, ms (the API's downtime_ms; VMM default 300).
-    #[arg(long)]
-    downtime_ms: Option<u64>,
-    /// The longest the migration may take, s (the API's timeout_s); the move's migrate
-    /// deadline is set 10 s past it.
-    #[arg(long)]
-    migration_timeout_s: Option<u64>,
-    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back)
-    /// or ignore (finish whatever the downtime).
-    #[arg(long, default_value_t = TimeoutStrategy::Cancel)]
-    timeout_strategy: TimeoutStrategy,
-    /// How the connections get through the move (as `rdmamig migrate --strategy`).
-    #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
-    strategy: Strategy,
-    /// Programs holding an RDMA device without the rdmamig library (as `rdmamig migrate
-    /// --unmanaged`; default: the daemon's [moves] unmanaged).
-    #[arg(long, value_enum)]
-    unmanaged: Option<UnmanagedPolicy>,
-    /// Cloud Hypervisor destination: its --api-socket (a cloud-hypervisor without a VM).
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_api_socket: Option<PathBuf>,
-    /// Cloud Hypervisor destination: the VM's hybrid vsock socket there.
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_vsock: Option<PathBuf>,
-    /// QEMU destination: its QMP socket (QEMU started with -incoming defer).
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_qmp: Option<PathBuf>,
-    /// QEMU destination: the agent's virtio-serial socket there.
-    #[arg(long, help_heading = "Destination VMM (one of)")]
-    to_agent: Option<PathBuf>,
     /// The daemon's socket.
-    #[arg(
-        long,
-        env = "RDMAMIG_SOCKET",
-        default_value = "/run/rdmamig/rdmamig.sock"
-    )]
+    #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
     socket: PathBuf,
-    /// The VM's name.
-    #[arg(long)]
-    vm: String,
-    /// The NIC to unplug on the source.
-    #[arg(long)]
-    detach: String,
-    /// The NIC to plug on the destination (device properties).
-    #[arg(long)]
-    attach: String,
-    /// Where to write the move's JSON report.
-    #[arg(long)]
-    report: Option<PathBuf>,
-    /// The `rdmamig` program.
-    #[arg(long, default_value = "rdmamig")]
-    rdmamig: PathBuf,
+    #[command(flatten)]
+    the_move: MoveFlags,
 }
-
-/// How far past the migration's own timeout the move's migrate deadline lies: the VMM's
-/// timeout strategy decides, not the deadline.
-const DEADLINE_PAST_TIMEOUT_S: u64 = 10;
-
-/// How long a released program has between SIGTERM and SIGKILL.
-const RELEASE_GRACE: Duration = Duration::from_secs(1);
-
-/// How long a failed pre-migrate tries to resume the connections on the source.
-const RESUME_ON_SOURCE: Duration = Duration::from_secs(3);
 
 /// A hook's failure: what to print, and whether it is the caller's mistake.
-struct Failure {
-    usage: bool,
-    message: String,
-    report: Value,
+enum Failure {
+    /// Bad arguments: nothing was done (exit 2).
+    Usage(String),
+    /// The hook could not run its move, or the move failed (exit 1).
+    Failed { message: String, report: Value },
 }
 
-fn failed(message: impl Into<String>, report: Value) -> Failure {
-    Failure {
-        usage: false,
+fn failed(message: impl Into<String>) -> Failure {
+    Failure::Failed {
         message: message.into(),
-        report,
-    }
-}
-
-fn usage(message: impl Into<String>) -> Failure {
-    Failure {
-        usage: true,
-        message: message.into(),
-        report: Value::Null,
+        report: json!({}),
     }
 }
 
@@ -251,9 +188,6 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
-    if let Command::Migrate(args) = cli.command {
-        return migrate(&cli.vmm, *args);
-    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -262,312 +196,332 @@ fn main() -> ExitCode {
         }
     };
     let (hook, result) = match cli.command {
-        Command::PreMigrate {
-            detach,
-            quiesce_ms,
-            detach_ms,
-            bridge,
-            unmanaged,
-        } => (
+        Command::Migrate(args) => return migrate(&runtime, &cli.vmm, *args),
+        Command::PreMigrate(args) => (
             "pre-migrate",
-            runtime.block_on(pre_migrate(
-                &cli.vmm,
-                &detach,
-                Duration::from_millis(quiesce_ms),
-                Duration::from_millis(detach_ms),
-                bridge,
-                unmanaged,
-            )),
+            runtime.block_on(pre_migrate(&cli.vmm, *args)),
         ),
-        Command::PostMigrate { attach, resume_ms } => (
+        Command::PostMigrate(args) => (
             "post-migrate",
-            runtime.block_on(post_migrate(
-                &cli.vmm,
-                &attach,
-                Duration::from_millis(resume_ms),
-            )),
+            runtime.block_on(post_migrate(&cli.vmm, args)),
         ),
-        Command::Migrate(_) => unreachable!("handled above"),
     };
     match result {
-        Ok(mut report) => {
-            report["hook"] = hook.into();
-            report["ok"] = true.into();
-            println!("{report}");
+        Ok(mut line) => {
+            line["hook"] = hook.into();
+            line["ok"] = true.into();
+            println!("{line}");
             ExitCode::SUCCESS
         }
-        Err(failure) => {
-            eprintln!("rdmamig-vmm {hook}: {}", failure.message);
-            if failure.usage {
-                return ExitCode::from(2);
-            }
-            let mut report = failure.report;
-            if !report.is_object() {
-                report = json!({});
-            }
+        Err(Failure::Usage(message)) => {
+            eprintln!("rdmamig-vmm {hook}: {message}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Failed {
+            message,
+            mut report,
+        }) => {
+            eprintln!("rdmamig-vmm {hook}: {message}");
             report["hook"] = hook.into();
             report["ok"] = false.into();
-            report["error"] = failure.message.into();
+            report["error"] = message.into();
             println!("{report}");
             ExitCode::FAILURE
         }
     }
 }
 
-async fn connect(args: &VmmArgs) -> Result<Arc<dyn Vmm>, Failure> {
-    let endpoint = args
-        .flags()
+/// What the hooks need besides the plan: the VMMs through the migrator's backends, and no
+/// pool (a workflow's move plugs what it is told).
+fn context(state: &StateFlags) -> Result<MoveContext, Failure> {
+    let pool = Pool::open(&PoolConfig::default(), &state.state_dir.join("pool.json"))
+        .map_err(|e| failed(error_chain(&e)))?;
+    Ok(MoveContext {
+        backends: Arc::new(VmmBackends),
+        pool: Arc::new(pool),
+        peers: None,
+        boundary: None,
+    })
+}
+
+/// Prints the move's events as they come (stderr: stdout is the JSON line), until the move
+/// drops its sender.
+fn progress() -> (
+    mpsc::UnboundedSender<MoveEvent>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (events, mut received) = mpsc::unbounded_channel();
+    let printer = tokio::spawn(async move {
+        while let Some(event) = received.recv().await {
+            eprintln!("{}", cli::render_event(&event));
+        }
+    });
+    (events, printer)
+}
+
+async fn pre_migrate(vmm: &VmmFlags, args: PreMigrateArgs) -> Result<Value, Failure> {
+    let source = vmm
         .endpoint("VM")
-        .map_err(|e| usage(e.to_string()))?;
-    VmmBackends
-        .connect(&endpoint)
-        .await
-        .map_err(|e| failed(error_chain(&e), Value::Null))
-}
-
-async fn agent(vmm: &dyn Vmm, budget: Duration) -> Result<AgentClient, Failure> {
-    let channel = vmm
-        .open_agent_channel()
-        .await
-        .map_err(|e| failed(error_chain(&e), Value::Null))?;
-    let mut agent = AgentClient::new(channel);
-    agent
-        .ping(budget)
-        .await
-        .map_err(|e| failed(format!("the guest agent: {}", error_chain(&e)), Value::Null))?;
-    Ok(agent)
-}
-
-async fn pre_migrate(
-    args: &VmmArgs,
-    detach: &str,
-    quiesce_deadline: Duration,
-    detach_deadline: Duration,
-    bridge: bool,
-    policy: UnmanagedPolicy,
-) -> Result<Value, Failure> {
-    let vmm = connect(args).await?;
-    let start = Instant::now();
-    let mut agent = agent(&*vmm, quiesce_deadline).await?;
-    let connections = agent
-        .list_connections(quiesce_deadline.saturating_sub(start.elapsed()))
-        .await
-        .map_err(|e| failed(error_chain(&e), Value::Null))?;
-    let unmanaged = agent
-        .list_unmanaged(quiesce_deadline.saturating_sub(start.elapsed()))
-        .await
-        .map_err(|e| failed(error_chain(&e), Value::Null))?;
-    let named: Vec<String> = unmanaged.iter().map(describe).collect();
-    if policy == UnmanagedPolicy::Refuse && !unmanaged.is_empty() {
-        let refusal = StepError::UnmanagedPrograms {
-            count: named.len(),
-            since: "",
-            named: named.join("; "),
-        };
-        return Err(failed(
-            format!("{refusal}. Nothing was changed"),
-            json!({ "unmanaged": unmanaged }),
-        ));
-    }
-    let ids: Vec<_> = connections.iter().map(|c| c.id).collect();
-    let quiesced = agent
-        .quiesce(
-            &ids,
-            quiesce_deadline.saturating_sub(start.elapsed()),
-            bridge,
-        )
-        .await
-        .map_err(|e| failed(error_chain(&e), json!({"connections": ids.len()})))?;
-    let not_quiesced: Vec<String> = quiesced
-        .failed()
-        .map(|o| {
-            format!(
-                "{:016x}: {}",
-                o.id,
-                o.error.as_deref().unwrap_or("no reason")
-            )
-        })
-        .collect();
-    let quiesce_ms = millis(start.elapsed());
-    let mut report = json!({
-        "connections": ids.len(),
-        "quiesced": quiesced.outcomes.iter().filter(|o| o.ok).count(),
-        "not_quiesced": not_quiesced,
-        "quiesce_ms": quiesce_ms,
-        "device": detach,
-        "unmanaged_policy": policy.to_string(),
-    });
-    if !unmanaged.is_empty() {
-        match policy {
-            UnmanagedPolicy::Release => {
-                let ended = agent
-                    .release_device(ReleaseScope::Unmanaged, RELEASE_GRACE, detach_deadline)
-                    .await
-                    .map_err(|e| failed(error_chain(&e), report.clone()))?;
-                report["ended"] = json!(ended);
-            }
-            _ => report["broken"] = json!(named),
-        }
-    }
-    let unplug = Instant::now();
-    if let Err(e) = vmm.remove_device(detach, detach_deadline).await {
-        // The workflow must not migrate now. Try to give the connections back their NIC;
-        // a Linux guest has usually begun tearing it down already (the unplug stays pending
-        // until the holder lets go), and then the agent says the port is not ACTIVE.
-        report["unplug_pending"] = e.is_timeout().into();
-        let resumed = agent.resume(&ids, RESUME_ON_SOURCE).await;
-        report["resumed_on_source"] = match &resumed {
-            Ok(outcomes) => outcomes.outcomes.iter().filter(|o| o.ok).count().into(),
-            Err(e) => error_chain(e).into(),
-        };
-        return Err(failed(error_chain(&e), report));
-    }
-    report["detach_ms"] = millis(unplug.elapsed()).into();
-    Ok(report)
-}
-
-async fn post_migrate(
-    args: &VmmArgs,
-    attach: &DeviceSpec,
-    resume_deadline: Duration,
-) -> Result<Value, Failure> {
-    let vmm = connect(args).await?;
-    let plug = Instant::now();
-    let added = vmm
-        .add_device(attach)
-        .await
-        .map_err(|e| failed(error_chain(&e), Value::Null))?;
-    let mut report = json!({
-        "device": added.id,
-        "bdf": added.bdf,
-        "attach_ms": millis(plug.elapsed()),
-    });
-    let start = Instant::now();
-    let mut agent = agent(&*vmm, resume_deadline).await?;
-    let connections = agent
-        .list_connections(resume_deadline.saturating_sub(start.elapsed()))
-        .await
-        .map_err(|e| failed(error_chain(&e), report.clone()))?;
-    let ids: Vec<_> = connections.iter().map(|c| c.id).collect();
-    let resumed = agent
-        .resume(&ids, resume_deadline.saturating_sub(start.elapsed()))
-        .await
-        .map_err(|e| failed(error_chain(&e), report.clone()))?;
-    let not_resumed: Vec<String> = resumed
-        .failed()
-        .map(|o| {
-            format!(
-                "{:016x}: {}",
-                o.id,
-                o.error.as_deref().unwrap_or("no reason")
-            )
-        })
-        .collect();
-    report["connections"] = ids.len().into();
-    report["resumed"] = resumed.outcomes.iter().filter(|o| o.ok).count().into();
-    report["resume_ms"] = millis(start.elapsed()).into();
-    if !not_resumed.is_empty() {
-        let message = format!(
-            "{} of {} connections did not resume: {}",
-            not_resumed.len(),
-            ids.len(),
-            not_resumed.join("; ")
-        );
-        report["not_resumed"] = not_resumed.into();
-        return Err(failed(message, report));
-    }
-    Ok(report)
-}
-
-/// Runs `rdmamig migrate` with the plan the wrapper's arguments describe; its exit status
-/// is the wrapper's.
-fn migrate(vmm: &VmmArgs, args: MigrateArgs) -> ExitCode {
-    let destination = EndpointFlags {
-        qmp: args.to_qmp.clone(),
-        api_socket: args.to_api_socket.clone(),
-        agent: args.to_agent.clone(),
-        vsock: args.to_vsock.clone(),
-        event_monitor: None,
-        agent_port: vmm.agent_port,
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    let strategy = if args.bridge {
+        Strategy::Bridge
+    } else {
+        args.guest.strategy
     };
-    for (side, flags) in [("source", vmm.flags()), ("destination", destination)] {
-        match flags.endpoint(side) {
-            Ok(endpoint) if endpoint.has_agent() => {}
-            Ok(_) => {
-                eprintln!(
-                    "rdmamig-vmm migrate: the coordinated move needs the {side} agent channel \
-                     (QEMU: --agent / --to-agent; Cloud Hypervisor: --vsock / --to-vsock)"
-                );
-                return ExitCode::from(2);
-            }
-            Err(e) => {
-                eprintln!("rdmamig-vmm migrate: {e}");
-                return ExitCode::from(2);
+    if !matches!(strategy, Strategy::Reconnect | Strategy::Bridge) {
+        return Err(Failure::Usage(format!(
+            "the hooks run strategy reconnect or bridge, not {strategy} (the workflow \
+             migrates; use `migrate` for the others)"
+        )));
+    }
+    let plan = MovePlan {
+        vm: args
+            .vm
+            .clone()
+            .unwrap_or_else(|| source.control_socket().display().to_string()),
+        source,
+        destination: None,
+        destination_migrator: None,
+        detach: args.detach.clone(),
+        attach: None,
+        reattach: args.reattach.clone(),
+        migration: MigrationBy::Workflow,
+        from_pool: false,
+        source_function: None,
+        unmanaged: Some(args.guest.unmanaged().unwrap_or_default()),
+        via: String::new(),
+        limits: Default::default(),
+        strategy,
+        deadlines: args
+            .guest
+            .deadlines()
+            .map_err(|e| Failure::Usage(e.to_string()))?,
+    };
+    plan.validate().map_err(|e| Failure::Usage(e.to_string()))?;
+    let context = context(&args.state)?;
+    let choice = choose_for(&plan, &context.pool).map_err(|e| Failure::Usage(e.to_string()))?;
+    let id = journal::move_id(&plan.vm, u64::from(std::process::id()));
+    let journal =
+        Journal::create(&args.state.moves(), &id, &plan).map_err(|e| failed(error_chain(&e)))?;
+    let journal_path = journal.path().to_path_buf();
+    let (events, printer) = progress();
+    let report = run_to_handover(id, plan, choice, journal, context, events).await;
+    let _ = printer.await;
+    let mut line = summary(&report);
+    line["journal"] = journal_path.display().to_string().into();
+    if report.ok {
+        // Kept for post-migrate: the final report then holds the whole move.
+        let path = handover_report(&args.state, &report.id);
+        write_report(&report, &path).map_err(|e| failed(error_chain(&e)))?;
+        line["handed_over"] = true.into();
+        return Ok(line);
+    }
+    store(&args.state, &report, &mut line);
+    Err(failure(&report, line))
+}
+
+async fn post_migrate(vmm: &VmmFlags, args: PostMigrateArgs) -> Result<Value, Failure> {
+    let destination = vmm
+        .endpoint("VM")
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    let path = handed_over(&args.state, args.move_id.as_deref())?;
+    let replay = journal::read(&path).map_err(|e| failed(error_chain(&e)))?;
+    let journal = Journal::reopen(&path).map_err(|e| failed(error_chain(&e)))?;
+    let earlier = std::fs::read(handover_report(&args.state, &replay.id))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<MoveReport>(&bytes).ok());
+    let context = context(&args.state)?;
+    let (events, printer) = progress();
+    let report = run_after_handover(
+        replay,
+        journal,
+        destination,
+        args.attach,
+        earlier,
+        context,
+        events,
+    )
+    .await
+    .map_err(|e| failed(format!("{}. Nothing was changed", error_chain(&e))))?;
+    let _ = printer.await;
+    let mut line = summary(&report);
+    line["journal"] = path.display().to_string().into();
+    let _ = std::fs::remove_file(handover_report(&args.state, &report.id));
+    store(&args.state, &report, &mut line);
+    if report.ok {
+        return Ok(line);
+    }
+    Err(failure(&report, line))
+}
+
+/// The journal of the move to go on with: `id`'s, or the one move handed over in the state
+/// directory.
+fn handed_over(state: &StateFlags, id: Option<&str>) -> Result<PathBuf, Failure> {
+    let moves = state.moves();
+    if let Some(id) = id {
+        if !journal::is_move_id(id) {
+            return Err(Failure::Usage(format!("{id:?} is not a move id")));
+        }
+        let path = moves.join(format!("{id}.journal"));
+        if !path.exists() {
+            return Err(failed(format!(
+                "no journal of move {id} in {}: run post-migrate with the --state-dir \
+                 pre-migrate used (on another host, copy the journal there first)",
+                moves.display()
+            )));
+        }
+        return Ok(path);
+    }
+    let scan = journal::scan(&moves).map_err(|e| failed(error_chain(&e)))?;
+    let waiting: Vec<_> = scan
+        .unfinished
+        .into_iter()
+        .filter(|(_, replay)| replay.handed_over().is_some())
+        .collect();
+    match waiting.as_slice() {
+        [(path, _)] => Ok(path.clone()),
+        [] => Err(failed(format!(
+            "no move handed over in {}: run pre-migrate first, with the same --state-dir \
+             (on another host, copy its journal there)",
+            moves.display()
+        ))),
+        several => Err(Failure::Usage(format!(
+            "{} moves are handed over in {}; name one with --move: {}",
+            several.len(),
+            moves.display(),
+            several
+                .iter()
+                .map(|(_, replay)| format!("{} (VM {})", replay.id, replay.plan.vm))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+fn handover_report(state: &StateFlags, id: &str) -> PathBuf {
+    state.moves().join(format!("{id}.handover.json"))
+}
+
+/// Stores the ended move's report (`<dir>/moves/<id>.json`, its timeline beside it, and
+/// --report) and says where in `line` (`report`; `report_error` when it could not).
+fn store(state: &StateFlags, report: &MoveReport, line: &mut Value) {
+    let stored = state.moves().join(format!("{}.json", report.id));
+    let mut targets = vec![stored.clone()];
+    targets.extend(state.report.clone());
+    for path in &targets {
+        if let Err(e) = write_report(report, path) {
+            line["report_error"] = error_chain(&e).into();
+        }
+    }
+    if let Err(e) = cli::write_svg(report, &stored.with_extension("svg")) {
+        tracing::warn!("{}", error_chain(&e));
+    }
+    line["report"] = stored.display().to_string().into();
+}
+
+/// The failure a hook whose move failed ends with.
+fn failure(report: &MoveReport, line: Value) -> Failure {
+    let error = report.error.as_deref().unwrap_or("the move failed");
+    let message = match (&report.rollback_error, report.final_phase) {
+        (Some(rollback), _) => format!("{error}; the rollback failed: {rollback}"),
+        // Prepare only lists: a move refused there changed nothing.
+        (None, Phase::RolledBack) if report.failed_phase == Some(Phase::Prepare) => {
+            format!("{error}. Nothing was changed")
+        }
+        (None, Phase::RolledBack) => {
+            format!("{error}; rolled back: the VM runs on the source with its NIC")
+        }
+        (None, _) => {
+            let side = match report.vm_location {
+                VmLocation::Source => "source",
+                VmLocation::Destination => "destination",
+            };
+            format!("{error}; the VM is on the {side}")
+        }
+    };
+    Failure::Failed {
+        message,
+        report: line,
+    }
+}
+
+/// The hook's JSON line: the move, how far it got, and the figures a workflow checks.
+fn summary(report: &MoveReport) -> Value {
+    let ok = |outcomes: &[rdmamig_proto::agent::ConnectionOutcome]| {
+        outcomes.iter().filter(|o| o.ok).count()
+    };
+    let not = |outcomes: &[rdmamig_proto::agent::ConnectionOutcome]| {
+        outcomes
+            .iter()
+            .filter(|o| !o.ok)
+            .map(|o| {
+                format!(
+                    "{:016x}: {}",
+                    o.id,
+                    o.error.as_deref().unwrap_or("no reason given")
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut line = json!({
+        "move": report.id,
+        "vm": report.plan.vm,
+        "phase": report.final_phase.name(),
+        "vm_location": report.vm_location,
+        "connections": report.connections.len(),
+        "quiesced": ok(&report.quiesce),
+        "not_quiesced": not(&report.quiesce),
+        "unmanaged_policy": report.plan.unmanaged.unwrap_or_default().to_string(),
+        "unmanaged": report.unmanaged,
+        "forced": report.forced,
+    });
+    if report.final_phase == Phase::Done || !report.resume.is_empty() {
+        line["resumed"] = ok(&report.resume).into();
+        line["not_resumed"] = not(&report.resume).into();
+    }
+    if let Some(error) = &report.rollback_error {
+        line["rollback_error"] = error.clone().into();
+    }
+    if let Some(failed) = report.failed_phase {
+        line["failed_phase"] = failed.name().into();
+    }
+    for record in &report.timeline.phases {
+        line[format!("{}_ms", record.phase.name())] = record.duration_ms.into();
+        if record.phase == Phase::Attach {
+            for key in ["device", "bdf"] {
+                if let Some(value) = record.details.get(key) {
+                    line[key] = value.clone();
+                }
             }
         }
     }
-    let mut command = std::process::Command::new(&args.rdmamig);
-    command
-        .arg("migrate")
-        .arg("--socket")
-        .arg(&args.socket)
-        .args(["--vm", &args.vm, "--strategy", &args.strategy.to_string()])
-        .args(["--detach", &args.detach, "--attach", &args.attach])
-        .args(["--via", &args.destination_url])
-        .arg("--agent-port")
-        .arg(vmm.agent_port.to_string())
-        .arg("--timeout-strategy")
-        .arg(args.timeout_strategy.to_string());
-    if let Some(policy) = args.unmanaged {
-        command.args(["--unmanaged", &policy.to_string()]);
-    }
-    let paths = [
-        ("--qmp", &vmm.qmp),
-        ("--agent", &vmm.agent),
-        ("--api-socket", &vmm.api_socket),
-        ("--vsock", &vmm.vsock),
-        ("--event-monitor", &vmm.event_monitor),
-        ("--to-qmp", &args.to_qmp),
-        ("--to-agent", &args.to_agent),
-        ("--to-api-socket", &args.to_api_socket),
-        ("--to-vsock", &args.to_vsock),
-        ("--report", &args.report),
-    ];
-    for (flag, path) in paths {
-        if let Some(path) = path {
-            command.arg(flag).arg(path);
+    line
+}
+
+/// `rdmamig migrate` in-process, from the wrapper's arguments: the migration stream goes to
+/// `destination_url`, and the migrate deadline lies past the migration's timeout.
+fn migrate(runtime: &tokio::runtime::Runtime, vmm: &VmmFlags, mut args: MigrateArgs) -> ExitCode {
+    let guest = &mut args.the_move.guest;
+    if let Some(timeout) = args.the_move.limits.migration_timeout_s {
+        if !guest.deadlines.iter().any(|d| d.starts_with("migrate=")) {
+            let ms = timeout
+                .saturating_add(DEADLINE_PAST_TIMEOUT_S)
+                .saturating_mul(1000);
+            guest.deadlines.push(format!("migrate={ms}"));
         }
     }
-    if args.local {
-        command.arg("--local");
-    }
-    if let Some(ms) = args.downtime_ms {
-        command.arg("--downtime-ms").arg(ms.to_string());
-    }
-    if let Some(timeout) = args.migration_timeout_s {
-        command
-            .arg("--migration-timeout-s")
-            .arg(timeout.to_string())
-            .arg("--deadline")
-            .arg(format!(
-                "migrate={}",
-                timeout
-                    .saturating_add(DEADLINE_PAST_TIMEOUT_S)
-                    .saturating_mul(1000)
-            ));
-    }
-    match command.status() {
-        Ok(status) => match status.code() {
-            Some(0) => ExitCode::SUCCESS,
-            Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-            None => ExitCode::FAILURE,
-        },
+    let plan = match args.the_move.plan(vmm, args.destination_url) {
+        Ok(plan) => plan,
         Err(e) => {
-            eprintln!(
-                "rdmamig-vmm migrate: cannot run {}: {e}",
-                args.rdmamig.display()
-            );
-            ExitCode::FAILURE
+            eprintln!("rdmamig-vmm migrate: {e}");
+            return ExitCode::from(2);
         }
-    }
+    };
+    cli::run_migrate(
+        runtime,
+        "rdmamig-vmm migrate",
+        &args.socket,
+        plan,
+        &args.the_move.output,
+    )
 }

@@ -8,13 +8,17 @@ impl Mover {
             return Ok(Finished::skipped(why));
         }
         let destination = self.destination()?;
+        let endpoint = self.destination_endpoint()?;
+        let device = self.plan.attach.clone().ok_or(StepError::NotNamed {
+            what: "the device to attach",
+        })?;
         let function = self.function.as_ref().map(|(name, _)| name.as_str());
         let plugged = destination
             .attach(
-                &self.plan.destination,
+                &endpoint,
                 &self.move_ref(),
                 function,
-                &self.plan.attach,
+                &device,
                 self.recovered_from.is_some(),
                 deadline,
             )
@@ -27,6 +31,9 @@ impl Mover {
             details.insert("function".into(), function.into());
         }
         details.insert("device".into(), plugged.id.into());
+        if let Some(bdf) = plugged.bdf {
+            details.insert("bdf".into(), bdf.into());
+        }
         details.insert("driver".into(), plugged.driver.into());
         Ok(Finished::ok(details))
     }

@@ -1,9 +1,14 @@
 //! Phase `migrate`: the VMM migrates the VM, progress is reported, the arrival confirmed.
+//! When a workflow migrated (between `pre-migrate` and `post-migrate`), only the arrival is
+//! confirmed.
 
 use super::*;
 
 impl Mover {
     pub(super) async fn migrate(&mut self, deadline: Duration) -> Result<Finished, StepError> {
+        if self.plan.migration == MigrationBy::Workflow {
+            return self.confirm_workflow_migrated(deadline).await;
+        }
         let start = Instant::now();
         let source = self.source_vmm().await?;
         source
@@ -54,7 +59,7 @@ impl Mover {
         let started = self
             .destination()?
             .confirm_received(
-                &self.plan.destination,
+                &self.destination_endpoint()?,
                 deadline.saturating_sub(start.elapsed()),
             )
             .await?;
@@ -77,6 +82,26 @@ impl Mover {
             }
         }
         self.migration = Some(done);
+        Ok(Finished::ok(details))
+    }
+
+    /// The workflow migrated the VM: confirm that it runs on the destination. A VM that
+    /// did not arrive there is still the source's, and the move rolls back.
+    async fn confirm_workflow_migrated(
+        &mut self,
+        deadline: Duration,
+    ) -> Result<Finished, StepError> {
+        let start = Instant::now();
+        let destination = self.destination_endpoint()?;
+        self.destination()?
+            .confirm_received(&destination, deadline)
+            .await?;
+        self.migrated = true;
+        self.location = VmLocation::Destination;
+        self.journal.append(&Record::Migrated)?;
+        let mut details = Map::new();
+        details.insert("migrated_by".into(), "workflow".into());
+        details.insert("confirm_ms".into(), millis(start.elapsed()).into());
         Ok(Finished::ok(details))
     }
 }

@@ -32,6 +32,7 @@
 
 mod attach;
 mod detach;
+mod handover;
 mod migrate;
 mod prepare;
 mod quiesce;
@@ -42,6 +43,8 @@ mod rollback;
 mod tests;
 #[cfg(test)]
 mod trust_tests;
+
+pub use handover::{run_after_handover, run_to_handover, this_host, HandoverError};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -64,11 +67,11 @@ use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
 use crate::peer::tls::{PeerError, PeerTls};
 use crate::peer::RemoteDestination;
-use crate::plan::{MovePlan, Strategy, UnmanagedPolicy};
+use crate::plan::{Endpoint, MigrationBy, MovePlan, Strategy, UnmanagedPolicy};
 use crate::pool::{Attachment, Pool};
 use crate::report::{ForcedPath, MoveEvent, MoveReport, VmLocation};
 use crate::step::{within, StepError, GRACE};
-use crate::strategy::{choose_for, Choice};
+use crate::strategy::Choice;
 use crate::timeline::{PhaseOutcome, TimelineRecorder};
 use crate::unmanaged::Found;
 
@@ -179,15 +182,19 @@ impl Finished {
 /// Runs `plan` to the end under the journal `journal` (already holding its `begin` record),
 /// sending events to `events`, and returns the report.
 ///
-/// The plan must have passed [`MovePlan::validate`].
+/// The plan must have passed [`MovePlan::validate`], and `choice` is what
+/// [`crate::strategy::choose_for`] said of it when the move was admitted: prepare journals
+/// it rather than asking VFIO again.
 pub async fn run_move(
     id: String,
     plan: MovePlan,
+    choice: Choice,
     journal: Journal,
     context: MoveContext,
     events: UnboundedSender<MoveEvent>,
 ) -> MoveReport {
     let mut mover = Mover::new(id, plan, journal, context, events);
+    mover.choose(choice);
     let result = mover.run(&Phase::WORKING).await;
     mover.report(result)
 }
@@ -213,8 +220,7 @@ pub async fn recover(
     mover.ids = replay.connections();
     mover.function = replay.reserved();
     if let Some(choice) = replay.chosen() {
-        mover.strategy = choice.strategy;
-        mover.chosen = Some(choice);
+        mover.choose(choice);
     }
     let last = replay.last_phase();
     mover.recovered_from = Some(last.unwrap_or(Phase::Prepare));
@@ -303,6 +309,9 @@ struct Mover {
     agent_lost: Option<String>,
     /// The unmanaged programs found so far.
     unmanaged: Found,
+    /// The host of the source VMM, when the move was handed over to a workflow (only
+    /// that host can reach the source).
+    source_host: Option<String>,
 }
 
 impl Mover {
@@ -342,20 +351,34 @@ impl Mover {
             source_reset: None,
             agent_lost: None,
             unmanaged: Found::default(),
+            source_host: None,
         }
     }
 
+    /// The strategy the move runs, decided before it starts (or read back from its journal).
+    fn choose(&mut self, choice: Choice) {
+        self.strategy = choice.strategy;
+        self.chosen = Some(choice);
+    }
+
+    /// The report of a move that ended (journaled so).
     fn report(mut self, result: RunResult) -> MoveReport {
+        if let Err(e) = self.journal.append(&Record::End { phase: self.phase }) {
+            tracing::error!(move_id = %self.id, "{}", error_chain(&e));
+        }
+        let ok = self.phase == Phase::Done;
+        self.report_so_far(result, ok)
+    }
+
+    /// The report as the move stands; `ok` says whether that is success.
+    fn report_so_far(self, result: RunResult, ok: bool) -> MoveReport {
         let failed_phase = result.as_ref().err().map(|(phase, _)| *phase);
         let error = result.err().map(|(_, e)| error_chain(&e));
         let final_phase = self.phase;
-        if let Err(e) = self.journal.append(&Record::End { phase: final_phase }) {
-            tracing::error!(move_id = %self.id, "{}", error_chain(&e));
-        }
         MoveReport {
             id: self.id,
             plan: self.plan,
-            ok: final_phase == Phase::Done,
+            ok,
             final_phase,
             failed_phase,
             error,
@@ -382,6 +405,8 @@ impl Mover {
 
     /// Runs `phases` in order; the first is entered without a transition when it is the
     /// phase the move already stands in (a fresh move, or a recovery re-entering a phase).
+    /// A run that ends with the resume ends the move (`done`); a workflow's move stops
+    /// after its detach, for the workflow to migrate.
     async fn run(&mut self, phases: &[Phase]) -> RunResult {
         for &phase in phases {
             if phase != self.phase {
@@ -433,6 +458,9 @@ impl Mover {
                     return self.fail_and_roll_back(phase, error).await;
                 }
             }
+        }
+        if phases.last() != Some(&Phase::Resume) {
+            return Ok(());
         }
         self.return_source_function();
         self.phase = transition(self.phase, Phase::Done).map_err(|e| (self.phase, e.into()))?;
@@ -519,10 +547,20 @@ impl Mover {
         }
     }
 
-    /// The source VMM, connected on first use (a recovering migrator connects afresh).
-    async fn source_vmm(&mut self) -> Result<Arc<dyn Vmm>, VmmError> {
+    /// The source VMM, connected on first use (a recovering migrator connects afresh);
+    /// never one on another host, whose socket path may name a VMM of this host.
+    async fn source_vmm(&mut self) -> Result<Arc<dyn Vmm>, StepError> {
         if let Some(vmm) = &self.source {
             return Ok(vmm.clone());
+        }
+        if let Some(host) = &self.source_host {
+            let here = this_host();
+            if *host != here {
+                return Err(StepError::SourceElsewhere {
+                    host: host.clone(),
+                    here,
+                });
+            }
         }
         let vmm = self.context.backends.connect(&self.plan.source).await?;
         self.source = Some(vmm.clone());
@@ -537,6 +575,13 @@ impl Mover {
         let destination = self.context.destination(&self.plan)?;
         self.destination = Some(destination.clone());
         Ok(destination)
+    }
+
+    /// The destination VMM: every plan names it, but a workflow's only from `post-migrate`.
+    fn destination_endpoint(&self) -> Result<Endpoint, StepError> {
+        self.plan.destination.clone().ok_or(StepError::NotNamed {
+            what: "the destination VMM",
+        })
     }
 
     fn move_ref(&self) -> MoveRef {

@@ -1,4 +1,4 @@
-//! Phase `prepare`: choose the strategy, check the source, list the connections and the
+//! Phase `prepare`: journal the strategy chosen at admission, check the source, list the connections and the
 //! unmanaged programs, reserve a function, ready the destination. Nothing in the VM changes.
 
 use super::*;
@@ -7,17 +7,16 @@ impl Mover {
     pub(super) async fn prepare(&mut self, deadline: Duration) -> Result<Finished, StepError> {
         let start = Instant::now();
         let mut details = Map::new();
-        // Decided before anything acts: a refused strategy changes nothing.
-        let choice = choose_for(&self.plan, &self.context.pool)?;
-        self.journal.append(&Record::Chose {
-            choice: choice.clone(),
-        })?;
-        details.insert("strategy".into(), choice.strategy.to_string().into());
-        if self.plan.strategy != choice.strategy {
-            details.insert("strategy_reason".into(), choice.reason.clone().into());
+        // Decided when the move was admitted, before anything acts: journaled first.
+        if let Some(choice) = self.chosen.clone() {
+            self.journal.append(&Record::Chose {
+                choice: choice.clone(),
+            })?;
+            details.insert("strategy".into(), choice.strategy.to_string().into());
+            if self.plan.strategy != choice.strategy {
+                details.insert("strategy_reason".into(), choice.reason.into());
+            }
         }
-        self.strategy = choice.strategy;
-        self.chosen = Some(choice);
         let source = self.source_vmm().await?;
         let status = source.status().await?;
         if !matches!(status.phase, VmPhase::Running | VmPhase::Paused) {
@@ -28,10 +27,17 @@ impl Mover {
             });
         }
         details.insert("source_state".into(), status.state.into());
-        let destination = self.destination()?;
-        details.insert("destination".into(), destination.describe().into());
+        // A workflow's move has no destination yet: post-migrate names it.
+        let destination = match self.plan.migration {
+            MigrationBy::Migrator => Some(self.destination()?),
+            MigrationBy::Workflow => None,
+        };
+        if let Some(destination) = &destination {
+            details.insert("destination".into(), destination.describe().into());
+        }
         // vfio-migrate plugs nothing: the destination VMM was started with its function.
-        if self.plan.from_pool && self.strategy.steps().device_moves.is_none() {
+        let reserve = self.plan.from_pool && self.strategy.steps().device_moves.is_none();
+        if let Some(destination) = destination.as_ref().filter(|_| reserve) {
             let (function, attachment) = destination
                 .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
                 .await?;
@@ -79,14 +85,16 @@ impl Mover {
                 }
             }
         }
-        destination
-            .prepare_receive(
-                &self.plan.destination,
-                &self.plan.via,
-                deadline.saturating_sub(start.elapsed()),
-            )
-            .await?;
-        details.insert("via".into(), self.plan.via.clone().into());
+        if let Some(destination) = destination {
+            destination
+                .prepare_receive(
+                    &self.destination_endpoint()?,
+                    &self.plan.via,
+                    deadline.saturating_sub(start.elapsed()),
+                )
+                .await?;
+            details.insert("via".into(), self.plan.via.clone().into());
+        }
         Ok(Finished::ok(details))
     }
 }

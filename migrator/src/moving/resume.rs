@@ -10,10 +10,8 @@ impl Mover {
         // The guest now runs under the destination VMM; the source's channel is dead.
         self.agent = None;
         let ids = self.ids.clone();
-        let resumed = self
-            .destination()?
-            .resume(&self.plan.destination, &ids, deadline)
-            .await;
+        let endpoint = self.destination_endpoint()?;
+        let resumed = self.destination()?.resume(&endpoint, &ids, deadline).await;
         let result = match resumed {
             Ok(result) => result,
             Err(e) => match (&e, &self.agent_lost) {

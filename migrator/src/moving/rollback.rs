@@ -130,9 +130,8 @@ impl Mover {
             }
             if self.migrated {
                 let deadline = self.plan.deadlines.of(Phase::Rollback);
-                self.destination()?
-                    .discard(&self.plan.destination, deadline)
-                    .await?;
+                let endpoint = self.destination_endpoint()?;
+                self.destination()?.discard(&endpoint, deadline).await?;
                 steps.push("destination VMM stopped (the migrated copy is discarded)".into());
                 if !source.status().await?.running {
                     source.resume().await?;
@@ -199,7 +198,13 @@ impl Mover {
         let steps_of = self.strategy.steps();
         if reached >= Phase::Detach && steps_of.device_moves.is_none() {
             let source = self.source_vmm().await?;
-            let spec = self.plan.reattach_spec().clone();
+            let spec = self
+                .plan
+                .reattach_spec()
+                .cloned()
+                .ok_or(StepError::NotNamed {
+                    what: "the device to plug back on the source (pre-migrate --reattach)",
+                })?;
             if source.has_device(spec.id()).await? {
                 steps.push(format!("device {} already back on the source", spec.id()));
             } else {

@@ -55,7 +55,15 @@ impl Bed {
     async fn run(&self, plan: MovePlan) -> MoveReport {
         let journal = Journal::create(self.dir.path(), "m", &plan).unwrap();
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
-        run_move("m".into(), plan, journal, self.context(None), events).await
+        run_move(
+            "m".into(),
+            plan.clone(),
+            Choice::asked(plan.strategy),
+            journal,
+            self.context(None),
+            events,
+        )
+        .await
     }
 
     fn journal_path(&self) -> std::path::PathBuf {
@@ -204,7 +212,9 @@ async fn a_held_device_context_rolls_back_after_the_pending_unplug_completes() {
     assert_eq!(report.forced[0].phase, Phase::Detach);
     let state = bed.host.state();
     assert_eq!(state.unplug_pending, None);
-    assert!(state.source_devices.contains(plan().reattach_spec().id()));
+    assert!(state
+        .source_devices
+        .contains(plan().reattach_spec().unwrap().id()));
     let calls = &state.calls;
     let added = calls.iter().position(|c| c == "src.add_device").unwrap();
     let resumed = calls.iter().rposition(|c| c == "agent.resume").unwrap();
@@ -363,7 +373,8 @@ async fn a_program_started_after_prepare_rolls_back_before_the_unplug() {
     let (events, _received) = tokio::sync::mpsc::unbounded_channel();
     let report = run_move(
         "m".into(),
-        plan,
+        plan.clone(),
+        Choice::asked(plan.strategy),
         journal,
         bed.context(Some(boundary)),
         events,
@@ -488,7 +499,15 @@ async fn crash_and_recover(bed: &Bed, plan: MovePlan, crash_at: Phase) -> MoveRe
     });
     let (events, _received) = tokio::sync::mpsc::unbounded_channel();
     let context = bed.context(Some(hook));
-    let killed = tokio::spawn(run_move("m".into(), plan, journal, context, events)).await;
+    let killed = tokio::spawn(run_move(
+        "m".into(),
+        plan.clone(),
+        Choice::asked(plan.strategy),
+        journal,
+        context,
+        events,
+    ))
+    .await;
     assert!(killed.is_err(), "the move was not killed at {crash_at}");
     let open = journal::scan(bed.dir.path()).unwrap().unfinished;
     assert_eq!(open.len(), 1);
@@ -686,4 +705,183 @@ async fn the_naive_strategy_rolls_back_without_the_agent() {
     let report = bed.run(plan).await;
     assert_back_on_source(&bed, &report, false);
     assert!(!bed.calls().iter().any(|c| c.starts_with("agent.")));
+}
+
+/// A workflow's move: the plan `pre-migrate` makes (no destination, no device to attach,
+/// the NIC to plug back named).
+fn workflow_plan() -> MovePlan {
+    let mut plan = plan();
+    plan.migration = MigrationBy::Workflow;
+    plan.reattach = plan.attach.take();
+    plan.destination = None;
+    plan.via = String::new();
+    plan
+}
+
+impl Bed {
+    /// Runs `pre-migrate`'s half of a workflow's move.
+    async fn hand_over(&self) -> MoveReport {
+        let plan = workflow_plan();
+        plan.validate().unwrap();
+        let journal = Journal::create(self.dir.path(), "m", &plan).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let choice = Choice::asked(plan.strategy);
+        run_to_handover(
+            "m".into(),
+            plan,
+            choice,
+            journal,
+            self.context(None),
+            events,
+        )
+        .await
+    }
+
+    /// What the workflow does between the hooks: the VM migrates.
+    fn workflow_migrates(&self) {
+        let mut state = self.host.state();
+        state.source_state = "postmigrate".into();
+        state.destination_state = "running".into();
+        state.guest = Where::Destination;
+    }
+
+    /// Runs `post-migrate`'s half, with the hand-over's report.
+    async fn go_on(&self, earlier: MoveReport) -> Result<MoveReport, HandoverError> {
+        let replay = journal::read(&self.journal_path()).unwrap();
+        let journal = Journal::reopen(&self.journal_path()).unwrap();
+        let (events, _received) = tokio::sync::mpsc::unbounded_channel();
+        let full = plan();
+        run_after_handover(
+            replay,
+            journal,
+            full.destination.unwrap(),
+            full.attach.unwrap(),
+            Some(earlier),
+            self.context(None),
+            events,
+        )
+        .await
+    }
+}
+
+#[tokio::test]
+async fn a_workflows_move_is_one_journaled_move_across_both_hooks() {
+    let bed = Bed::new();
+    let handed = bed.hand_over().await;
+    assert!(handed.ok, "{handed:#?}");
+    assert_eq!(handed.final_phase, Phase::Detach);
+    let replay = journal::read(&bed.journal_path()).unwrap();
+    assert_eq!(replay.handed_over(), Some(this_host().as_str()));
+    assert_eq!(replay.ended(), None);
+    assert!(!bed.calls().contains(&"src.send_migration".to_string()));
+    assert!(
+        !bed.calls().iter().any(|c| c.starts_with("dst.")),
+        "{:?}",
+        bed.calls()
+    );
+    bed.workflow_migrates();
+    let report = bed.go_on(handed).await.unwrap();
+    assert!(report.ok, "{report:#?}");
+    assert_eq!(report.final_phase, Phase::Done);
+    let phases: Vec<Phase> = report.timeline.phases.iter().map(|p| p.phase).collect();
+    assert_eq!(
+        phases,
+        Phase::WORKING,
+        "the report holds both hooks' phases"
+    );
+    assert_eq!(report.connections.len(), 2);
+    assert_eq!(report.timeline.phases[3].details["migrated_by"], "workflow");
+    assert!(!bed.calls().contains(&"src.send_migration".to_string()));
+    {
+        let state = bed.host.state();
+        assert_eq!(state.resumed_on, vec![Where::Destination]);
+        assert_eq!(state.destination_devices, ["nic1".to_string()].into());
+    }
+    let replay = journal::read(&bed.journal_path()).unwrap();
+    assert_eq!(replay.ended(), Some(Phase::Done));
+    assert_eq!(
+        replay.plan.destination,
+        plan().destination,
+        "the arrival is journaled"
+    );
+    // The move has ended: a second post-migrate changes nothing.
+    let again = bed.go_on(report).await.unwrap_err();
+    assert!(matches!(again, HandoverError::Ended { .. }), "{again}");
+}
+
+#[tokio::test]
+async fn a_workflows_move_whose_attach_fails_rolls_back_to_the_source() {
+    let bed = Bed::new();
+    let handed = bed.hand_over().await;
+    assert!(handed.ok, "{handed:#?}");
+    bed.workflow_migrates();
+    bed.host.fail("dst.add_device", Fault::Refuse);
+    let report = bed.go_on(handed).await.unwrap();
+    assert_eq!(report.failed_phase, Some(Phase::Attach));
+    assert_back_on_source(&bed, &report, true);
+    let state = bed.host.state();
+    assert!(
+        state.destination_gone,
+        "the destination's copy was not discarded"
+    );
+    assert!(
+        state.source_devices.contains("nic1"),
+        "{:?}",
+        state.source_devices
+    );
+}
+
+#[tokio::test]
+async fn a_workflows_move_refused_at_prepare_ends_without_a_hand_over() {
+    let bed = Bed::new();
+    bed.host.state().unmanaged = vec![rping(7)];
+    let handed = bed.hand_over().await;
+    assert!(!handed.ok);
+    assert_eq!(handed.final_phase, Phase::RolledBack);
+    assert!(!bed.calls().contains(&"src.remove_device".to_string()));
+    let replay = journal::read(&bed.journal_path()).unwrap();
+    assert_eq!(replay.handed_over(), None);
+    let refused = bed.go_on(handed).await.unwrap_err();
+    assert!(matches!(refused, HandoverError::Ended { .. }), "{refused}");
+}
+
+#[tokio::test]
+async fn a_move_that_was_not_handed_over_is_not_gone_on_with() {
+    let bed = Bed::new();
+    let daemon_plan = plan();
+    Journal::create(bed.dir.path(), "m", &daemon_plan).unwrap();
+    let earlier = Bed::new().hand_over().await;
+    let refused = bed.go_on(earlier).await.unwrap_err();
+    assert!(
+        matches!(refused, HandoverError::NotAWorkflowMove { .. }),
+        "{refused}"
+    );
+    assert!(bed.calls().is_empty(), "{:?}", bed.calls());
+}
+
+#[tokio::test]
+async fn a_post_migrate_on_another_host_never_takes_its_own_vmm_for_the_source() {
+    let bed = Bed::new();
+    let handed = bed.hand_over().await;
+    assert!(handed.ok, "{handed:#?}");
+    // The journal came from another host: its source socket path means nothing here.
+    let text = std::fs::read_to_string(bed.journal_path()).unwrap();
+    let here = format!("\"host\":{}", serde_json::to_string(&this_host()).unwrap());
+    std::fs::write(
+        bed.journal_path(),
+        text.replace(&here, "\"host\":\"elsewhere\""),
+    )
+    .unwrap();
+    bed.workflow_migrates();
+    bed.host.fail("dst.add_device", Fault::Refuse);
+    let calls_before = bed.calls().len();
+    let report = bed.go_on(handed).await.unwrap();
+    assert_eq!(report.final_phase, Phase::Failed);
+    let rollback = report.rollback_error.as_deref().unwrap_or_default();
+    assert!(rollback.contains("on host elsewhere"), "{rollback}");
+    let calls = bed.calls();
+    assert!(
+        !calls[calls_before..].iter().any(|c| c.starts_with("src.")),
+        "the source was touched: {calls:?}"
+    );
 }

@@ -125,7 +125,15 @@ async fn a_misbehaving_agent_only_forces_its_own_quiesce() {
             boundary: None,
         };
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
-        let report = run_move("m".into(), plan, journal, context, events).await;
+        let report = run_move(
+            "m".into(),
+            plan.clone(),
+            Choice::asked(plan.strategy),
+            journal,
+            context,
+            events,
+        )
+        .await;
         // The move went on through its forced path; the host acted on nothing the agent
         // named, and only on this VM's two VMMs.
         assert!(report.ok, "{misbehaviour:?}: {report:#?}");

@@ -553,6 +553,7 @@ mod tests {
     use crate::plan::tests::plan;
     use crate::pool::FunctionState;
     use crate::report::VmLocation;
+    use crate::strategy::Choice;
     use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
     use std::path::{Path, PathBuf};
 
@@ -679,7 +680,15 @@ mod tests {
         plan.destination_migrator = Some("dst".into());
         let journal = Journal::create(dir.path(), "m1", &plan).unwrap();
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
-        let report = run_move("m1".into(), plan, journal, context, events).await;
+        let report = run_move(
+            "m1".into(),
+            plan.clone(),
+            Choice::asked(plan.strategy),
+            journal,
+            context,
+            events,
+        )
+        .await;
         assert!(report.ok, "{report:#?}");
         assert_eq!(report.function.as_deref(), Some("vf0"));
         let prepare = &report.timeline.phases[0].details;
@@ -715,7 +724,15 @@ mod tests {
         plan.destination_migrator = Some(address.clone());
         let journal = Journal::create(dir.path(), "m1", &plan).unwrap();
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
-        let report = run_move("m1".into(), plan, journal, context, events).await;
+        let report = run_move(
+            "m1".into(),
+            plan.clone(),
+            Choice::asked(plan.strategy),
+            journal,
+            context,
+            events,
+        )
+        .await;
         assert_eq!(report.final_phase, Phase::RolledBack, "{report:#?}");
         assert_eq!(report.failed_phase, Some(Phase::Attach));
         assert_eq!(report.vm_location, VmLocation::Source);
@@ -750,7 +767,15 @@ mod tests {
                 assert!(phase != crash_at, "killed at {phase}");
             }));
             let (events, _received) = tokio::sync::mpsc::unbounded_channel();
-            let killed = tokio::spawn(run_move("m1".into(), plan, journal, context, events)).await;
+            let killed = tokio::spawn(run_move(
+                "m1".into(),
+                plan.clone(),
+                Choice::asked(plan.strategy),
+                journal,
+                context,
+                events,
+            ))
+            .await;
             assert!(killed.is_err(), "the move was not killed at {crash_at}");
             // The restarted daemon has only its config and the journal.
             let (path, replay) = crate::journal::scan(dir.path())
