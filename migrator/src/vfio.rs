@@ -26,6 +26,7 @@ use std::sync::Arc;
 use thiserror::Error;
 use vfio_bindings::bindings::vfio::{vfio_device_info, VFIO_DEVICE_FLAGS_RESET};
 use vfio_ioctls::{VfioContainer, VfioDevice};
+use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::vfio_migrate::{auto_picks_vfio_migrate, MigError, MigState, MigratableDevice};
 
@@ -161,6 +162,17 @@ pub enum VfioError {
         /// What vfio-ioctls said.
         #[source]
         source: vfio_ioctls::VfioError,
+    },
+    /// The memory to map for DMA could not be made.
+    #[error("cannot make {len} bytes of DMA memory at IOVA {iova:#x}")]
+    DmaMemory {
+        /// Where it was to be mapped.
+        iova: u64,
+        /// Its size.
+        len: usize,
+        /// What vm-memory said.
+        #[source]
+        source: vm_memory::mmap::FromRangesError,
     },
     /// The device cannot migrate its state (strategy `vfio-migrate` needs STOP_COPY).
     #[error("PCI device {address} does not support VFIO migration (flags {flags:#x})")]
@@ -413,36 +425,38 @@ impl VfioFunction {
         Ok(())
     }
 
-    /// Maps `buffer` for the device's DMA at `iova`.
-    pub fn dma_map(&self, iova: u64, buffer: &DmaBuffer) -> Result<(), VfioError> {
-        // SAFETY: `buffer` is an anonymous mapping of `buffer.len()` bytes that no Rust
-        // reference points into (DmaBuffer only hands out its raw pointer), and it stays
-        // mapped until the DmaBuffer is dropped; callers unmap the IOVA before that (and the
-        // kernel unmaps every IOVA when the container closes).
-        unsafe {
-            self.container
-                .vfio_dma_map(iova, buffer.len(), buffer.as_ptr())
-        }
-        .map_err(|source| VfioError::Dma {
-            action: "map",
-            iova,
-            size: buffer.len(),
-            address: self.address.clone(),
-            source,
-        })
+    /// Maps `memory` for the device's DMA, each region at its guest address as the IOVA
+    /// (the layout a VMM gives guest memory).
+    pub fn dma_map(&self, memory: &DmaMemory) -> Result<(), VfioError> {
+        // SAFETY: every region of a GuestMemoryMmap is a mapping it owns, which stays mapped
+        // as long as `memory` lives; callers unmap it (dma_unmap) before dropping it, and the
+        // kernel unmaps every IOVA when the container closes.
+        unsafe { self.container.vfio_map_guest_memory(memory) }
+            .map_err(|source| self.dma_error("map", memory, source))
     }
 
-    /// Unmaps the IOVA range.
-    pub fn dma_unmap(&self, iova: u64, size: usize) -> Result<(), VfioError> {
+    /// Unmaps what [`VfioFunction::dma_map`] mapped.
+    pub fn dma_unmap(&self, memory: &DmaMemory) -> Result<(), VfioError> {
         self.container
-            .vfio_dma_unmap(iova, size)
-            .map_err(|source| VfioError::Dma {
-                action: "unmap",
-                iova,
-                size,
-                address: self.address.clone(),
-                source,
-            })
+            .vfio_unmap_guest_memory(memory)
+            .map_err(|source| self.dma_error("unmap", memory, source))
+    }
+
+    fn dma_error(
+        &self,
+        action: &'static str,
+        memory: &DmaMemory,
+        source: vfio_ioctls::VfioError,
+    ) -> VfioError {
+        let iova = memory.iter().map(|r| r.start_addr().raw_value()).min();
+        VfioError::Dma {
+            action,
+            iova: iova.unwrap_or(0),
+            size: usize::try_from(memory.iter().map(|r| r.len()).sum::<u64>())
+                .unwrap_or(usize::MAX),
+            address: self.address.clone(),
+            source,
+        }
     }
 
     /// The device's VFIO migration (uAPI v2) capabilities, `None` when it cannot migrate:
@@ -527,63 +541,15 @@ fn device_flags(device: &VfioDevice) -> std::io::Result<u32> {
     Ok(info.flags)
 }
 
-/// Page-aligned anonymous memory for device DMA, unmapped on drop.
-pub struct DmaBuffer {
-    ptr: *mut u8,
-    len: usize,
-}
+/// Memory a function may reach by DMA: vm-memory's guest memory, the rust-vmm type VMMs
+/// give their devices, so that what this layer maps is laid out as a VMM lays it out.
+pub type DmaMemory = GuestMemoryMmap;
 
-// SAFETY: the buffer is plain anonymous memory owned by this value; nothing in it is tied to
-// the thread that mapped it.
-unsafe impl Send for DmaBuffer {}
-
-impl DmaBuffer {
-    /// Maps `len` bytes (a multiple of the page size).
-    pub fn new(len: usize) -> std::io::Result<DmaBuffer> {
-        // SAFETY: an anonymous private mapping at an address the kernel picks; the result is
-        // checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(DmaBuffer {
-            ptr: ptr.cast(),
-            len,
-        })
-    }
-
-    /// Its size.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Its start, for DMA mapping only.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-}
-
-impl Drop for DmaBuffer {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly the mapping made in `new`, unmapped only here.
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
-        }
-    }
+/// Anonymous memory of `len` bytes (a multiple of the page size) at guest address `iova`,
+/// for [`VfioFunction::dma_map`].
+pub fn dma_memory(iova: u64, len: usize) -> Result<DmaMemory, VfioError> {
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(iova), len)])
+        .map_err(|source| VfioError::DmaMemory { iova, len, source })
 }
 
 #[cfg(test)]

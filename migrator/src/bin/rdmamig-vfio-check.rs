@@ -13,7 +13,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use rdmamig_migrator::vfio::{DmaBuffer, Sysfs, VfioFunction};
+use rdmamig_migrator::vfio::{dma_memory, Sysfs, VfioFunction};
+use vm_memory::{Bytes, GuestAddress};
 use rdmamig_proto::text::error_chain;
 use serde_json::{json, Map, Value};
 
@@ -100,19 +101,24 @@ fn check(sysfs: &Sysfs, address: &str, ids: &str) -> Map<String, Value> {
         function.reset_advertised().into(),
     );
     report.insert("reset".into(), outcome(function.reset()));
-    let dma = DmaBuffer::new(DMA_LEN)
-        .map_err(|e| e.to_string())
-        .and_then(|buffer| {
-            function
-                .dma_map(IOVA, &buffer)
-                .and_then(|()| function.dma_unmap(IOVA, buffer.len()))
-                .map_err(|e| error_chain(&e))
-        });
+    // Mapped, written and read back through vm-memory while mapped (the CPU side of what
+    // the device would reach), then unmapped.
+    let dma = dma_memory(IOVA, DMA_LEN).and_then(|memory| {
+        function.dma_map(&memory)?;
+        let pattern = [0x5a_u8; 64];
+        let mut back = [0_u8; 64];
+        let checked = memory
+            .write_slice(&pattern, GuestAddress(IOVA))
+            .and_then(|()| memory.read_slice(&mut back, GuestAddress(IOVA)));
+        function.dma_unmap(&memory)?;
+        Ok(checked.is_ok() && back == pattern)
+    });
     report.insert(
         "dma".into(),
         match dma {
-            Ok(()) => json!("ok"),
-            Err(e) => json!({ "error": e }),
+            Ok(true) => json!("ok"),
+            Ok(false) => json!({ "error": "the mapped memory did not read back what was written" }),
+            Err(e) => json!({ "error": error_chain(&e) }),
         },
     );
     report.insert(
