@@ -88,11 +88,13 @@ use rdmamig_proto::ConnectionId;
 
 use tokio::runtime::Handle;
 
-use super::reply;
-use super::{
-    Access, Command, ConnError, ConnStats, ConnectOptions, Connection, Exposed, Listener,
-    RemoteBuffer, State,
-};
+use crate::connection::Connection;
+use crate::error::ConnError;
+use crate::listener::Listener;
+use crate::onesided::{Access, Exposed, RemoteBuffer};
+use crate::options::ConnectOptions;
+use crate::reply;
+use crate::shared::{Command, ConnStats, State};
 
 /// A migratable connection with an async API; see the module docs.
 #[derive(Debug, Clone)]

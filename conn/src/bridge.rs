@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::timeout;
 
-use super::wire::{
+use crate::wire::{
     Accept, Header, Hello, Kind, PrivateData, Reject, HEADER_LEN, MAX_CONNECT_PRIVATE_DATA,
 };
 
@@ -443,7 +443,7 @@ mod tests {
                 stream,
                 Reject {
                     conn_id: hello.conn_id,
-                    reason: super::super::wire::RejectReason::BadToken,
+                    reason: crate::wire::RejectReason::BadToken,
                 },
             );
         });

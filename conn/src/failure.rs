@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::wire::RejectReason;
+use crate::wire::RejectReason;
 
 /// Something that broke the current link (the connection itself may recover).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

@@ -21,11 +21,14 @@ use tokio::sync::Notify;
 use rdmamig_proto::agent::{ConnectionInfo, Role};
 use rdmamig_proto::ConnectionId;
 
-use super::bridge::Bridge;
-use super::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
-use super::worker::{self, Start};
-use super::{Command, ConnError, ConnShared, ConnectOptions, Connection};
+use crate::bridge::Bridge;
+use crate::connection::Connection;
+use crate::error::ConnError;
+use crate::options::ConnectOptions;
 use crate::registry::{self, Migratable};
+use crate::shared::{Command, ConnShared};
+use crate::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
+use crate::worker::{self, Start};
 use rdmamig_verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel};
 
 const BACKLOG: i32 = 64;
@@ -540,12 +543,7 @@ impl ListenerThread {
         }
     }
 
-    fn new_connection(
-        &mut self,
-        id: CmId,
-        hello: super::wire::Hello,
-        shared: &Arc<ListenerShared>,
-    ) {
+    fn new_connection(&mut self, id: CmId, hello: Hello, shared: &Arc<ListenerShared>) {
         let (conn, rx) = match ConnShared::new(
             hello.conn_id,
             hello.token,

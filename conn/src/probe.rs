@@ -12,9 +12,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::bridge;
-use super::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
-use super::worker::{build_endpoint, error_chain};
+use crate::bridge;
+use crate::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
+use crate::worker::{build_endpoint, error_chain};
 use rdmamig_proto::ConnectionId;
 use rdmamig_verbs::{CmEvent, CmEventKind, CmId, EventChannel};
 

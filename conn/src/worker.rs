@@ -27,16 +27,18 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::{Interval, MissedTickBehavior};
 
-use super::bridge::Bridge;
-use super::credits::{classify, Arrival, Credits, StarvedProbe};
-use super::onesided::{remote_access, OpKind};
-use super::reply::Reply;
-use super::sendq::SendSlots;
-use super::wire::{
+use crate::bridge::Bridge;
+use crate::credits::{classify, Arrival, Credits, StarvedProbe};
+use crate::error::ConnError;
+use crate::failure::{Failure, LinkEvent};
+use crate::onesided::{remote_access, OpKind};
+use crate::reply::Reply;
+use crate::sendq::SendSlots;
+use crate::shared::{Command, ConnShared, State};
+use crate::wire::{
     Accept, Header, Hello, Kind, PrivateData, RegionEntry, Reject, RejectReason, FLAG_BRIDGE,
     FLAG_MOVING, HEADER_LEN, REGION_ENTRY_LEN,
 };
-use super::{Command, ConnError, ConnShared, Failure, LinkEvent};
 use rdmamig_verbs::watch;
 use rdmamig_verbs::{
     refresh_device_list, CmEvent, CmEventKind, CmId, CompletionChannel, CompletionQueue,
@@ -250,7 +252,7 @@ impl Link {
     }
 
     /// Posts one WRITE or READ of `op` through a send slot.
-    fn post_onesided(&mut self, op: &super::onesided::Op, key: &RegionEntry) -> Result<(), String> {
+    fn post_onesided(&mut self, op: &crate::onesided::Op, key: &RegionEntry) -> Result<(), String> {
         let slot = self.slots.take().ok_or("no free send slot")?;
         let off = slot as usize * self.slot;
         let rdma = match &op.kind {
@@ -301,7 +303,7 @@ impl Link {
     }
 
     /// Registers the exposures not yet registered on this QP and queues their records.
-    fn register_exposures(&mut self, st: &super::State) -> Result<(), String> {
+    fn register_exposures(&mut self, st: &State) -> Result<(), String> {
         // Exposures are never withdrawn: equal counts mean all are registered.
         if self.exposed.len() == st.onesided.exposed.len() {
             return Ok(());
@@ -1233,7 +1235,7 @@ impl Worker {
             let Some(key) = link.remote_keys.get(&op.handle).copied() else {
                 break;
             };
-            if super::onesided::check_range(op.handle, key.len, op.offset, op.len()).is_err() {
+            if crate::onesided::check_range(op.handle, key.len, op.offset, op.len()).is_err() {
                 failure = Some(LinkEvent::Protocol(format!(
                     "the peer's buffer {} shrank below an operation at {}+{}",
                     op.handle,
@@ -1690,7 +1692,7 @@ fn replays(first: u64, last: u64, max_posted: u64) -> u64 {
 
 /// Where a path starts carrying this side's messages: just below the oldest unacknowledged
 /// one (the receiver has everything before it).
-fn resend_point(st: &super::State) -> u64 {
+fn resend_point(st: &State) -> u64 {
     st.outbox
         .front()
         .map_or(st.next_seq - 1, |(seq, _)| seq - 1)
@@ -1699,7 +1701,7 @@ fn resend_point(st: &super::State) -> u64 {
 /// Handles one work completion on a live link.
 fn process(
     link: &mut Link,
-    st: &mut super::State,
+    st: &mut State,
     wc: &WorkCompletion,
     delivered: &mut bool,
 ) -> Result<(), LinkEvent> {
@@ -1802,7 +1804,7 @@ fn repost(link: &mut Link, off: usize, wr_id: u64) -> Result<(), LinkEvent> {
 }
 
 /// Posts again the receives withheld while the inbox was full, as far as it has room now.
-fn repost_withheld(link: &mut Link, st: &super::State) -> Result<(), LinkEvent> {
+fn repost_withheld(link: &mut Link, st: &State) -> Result<(), LinkEvent> {
     while st.inbox.len() < link.inbox_limit {
         let Some((off, wr_id)) = link.withheld.pop() else {
             break;
@@ -1815,7 +1817,7 @@ fn repost_withheld(link: &mut Link, st: &super::State) -> Result<(), LinkEvent> 
 /// Handles the completion of a WRITE or READ: the oldest in flight on this QP.
 fn onesided_done(
     link: &mut Link,
-    st: &mut super::State,
+    st: &mut State,
     wc: &WorkCompletion,
     delivered: &mut bool,
 ) -> Result<(), LinkEvent> {
