@@ -4,12 +4,12 @@
 
 use std::time::{Duration, Instant};
 
-use rdmamig_proto::agent::ConnectionState;
 use rdmamig_proto::text::error_chain;
 
 use super::link::Pause;
 use super::setup::AttemptError;
-use super::{Down, Worker};
+use super::state::Phase;
+use super::Worker;
 use crate::failure::{Failure, LinkEvent};
 use crate::reply::Reply;
 use crate::wire::{Kind, FLAG_BRIDGE, FLAG_MOVING};
@@ -40,14 +40,20 @@ impl Worker {
                     });
                 }
                 self.quiesce_op = Some((deadline, reply));
-                self.set_state(ConnectionState::Pausing);
+                // A second quiesce takes over the first one's reply; a quiesce while closing
+                // pauses the link too, but the close goes on (and wins).
+                if self.phase == Phase::Up {
+                    self.enter(Phase::Quiescing);
+                }
             }
             None => {
-                self.down = Down::Quiesced {
-                    hold_until: Instant::now() + self.sh.opts.peer_wait,
-                };
-                self.set_state(ConnectionState::Quiesced);
-                let _ = reply.send(Ok(()));
+                // Without a link the connection holds at once (again: a second quiesce
+                // renews the hold).
+                self.down_until = Instant::now() + self.sh.opts.peer_wait;
+                let held = self.phase == Phase::Held || self.enter(Phase::Held);
+                if held {
+                    let _ = reply.send(Ok(()));
+                }
             }
         }
     }
@@ -62,11 +68,13 @@ impl Worker {
             return;
         }
         let now = Instant::now();
-        self.down = Down::Awaiting {
-            until: now + self.sh.opts.peer_wait,
-        };
+        self.down_until = now + self.sh.opts.peer_wait;
         self.next_attempt = now;
-        self.set_state(ConnectionState::Resuming);
+        if self.phase != Phase::Resuming && !self.enter(Phase::Resuming) {
+            // The connection failed (and answered its requests): this one too.
+            let _ = reply.send(Err("the connection cannot resume".into()));
+            return;
+        }
         if let Some((_, r)) = self.resume_op.replace((deadline, reply)) {
             let _ = r.send(Err("superseded by a newer resume".into()));
         }
@@ -212,15 +220,11 @@ impl Worker {
                     "the link broke during the quiesce ({why}); resources released"
                 ))
             });
-            self.down = Down::Quiesced {
-                hold_until: now + self.sh.opts.peer_wait,
-            };
-            self.set_state(ConnectionState::Quiesced);
+            self.down_until = now + self.sh.opts.peer_wait;
+            self.enter(Phase::Held);
             return;
         }
-        self.down = Down::Awaiting {
-            until: now + self.sh.opts.peer_wait,
-        };
+        self.down_until = now + self.sh.opts.peer_wait;
         // Give a moving peer a moment before the first reconnect attempt.
         self.next_attempt = if peer_paused {
             now + self.sh.opts.reconnect_interval
@@ -229,7 +233,13 @@ impl Worker {
         };
         self.last_error.clear();
         self.last_link = Some(why);
-        self.set_state(ConnectionState::AwaitingPeer);
+        if self.phase == Phase::Quiescing {
+            // The quiesce's own deadline gave the link up (`check_deadlines` answered it):
+            // the connection holds, and a later failure names that deadline.
+            self.enter(Phase::Held);
+        } else {
+            self.enter(Phase::AwaitingPeer);
+        }
     }
 
     pub(super) async fn down_tick(&mut self) {
@@ -238,20 +248,17 @@ impl Worker {
             let _ = refresh_device_list();
             self.last_refresh = now;
         }
-        match self.down {
-            Down::None => {}
-            Down::Quiesced { hold_until } => {
-                if now >= hold_until {
+        match self.phase {
+            Phase::Held => {
+                if now >= self.down_until {
                     // No resume came: try on our own (the forced path).
-                    self.down = Down::Awaiting {
-                        until: now + self.sh.opts.peer_wait,
-                    };
+                    self.down_until = now + self.sh.opts.peer_wait;
                     self.next_attempt = now;
-                    self.set_state(ConnectionState::AwaitingPeer);
+                    self.enter(Phase::AwaitingPeer);
                 }
             }
-            Down::Awaiting { until } => {
-                if now >= until {
+            Phase::AwaitingPeer | Phase::Resuming => {
+                if now >= self.down_until {
                     self.fail(Failure::PeerWaitExpired {
                         after: self.sh.opts.peer_wait,
                         cause: self.last_link.clone(),
@@ -274,6 +281,9 @@ impl Worker {
                     }
                 }
             }
+            // With a link, or ended: nothing to wait for here.
+            Phase::Connecting | Phase::Up | Phase::Quiescing | Phase::Closing => {}
+            Phase::Closed | Phase::Failed => {}
         }
     }
 
@@ -297,10 +307,11 @@ impl Worker {
                 },
                 true,
             );
-            self.down = Down::Quiesced {
-                hold_until: now + self.sh.opts.peer_wait,
-            };
-            self.set_state(ConnectionState::Quiesced);
+            if self.phase == Phase::Quiescing {
+                // There was no link to give up: hold all the same.
+                self.down_until = now + self.sh.opts.peer_wait;
+                self.enter(Phase::Held);
+            }
         }
         if self.resume_op.as_ref().is_some_and(|(d, _)| now >= *d) {
             let (_, reply) = self.resume_op.take().expect("checked");

@@ -38,9 +38,11 @@ mod data;
 mod hold;
 mod link;
 mod setup;
+mod state;
 
 pub(crate) use link::{build_endpoint, Endpoint, EXTRA_SEND_SLOTS, RECV_BASE};
 use link::{Link, RESERVE};
+use state::{transition, InvalidTransition, Phase};
 
 use crate::bridge::Bridge;
 use crate::error::ConnError;
@@ -116,18 +118,15 @@ pub(crate) fn spawn(
     Ok(())
 }
 
-enum Down {
-    /// Link up.
-    None,
-    /// Quiesced by the agent: holds no device; does not reconnect before a resume (or
-    /// until `hold_until`, the forced path).
-    Quiesced { hold_until: Instant },
-    /// Waiting for the peer (active: reconnecting) until `until`.
-    Awaiting { until: Instant },
-}
-
 struct Worker {
     sh: Arc<ConnShared>,
+    /// Where the connection stands; changed only through [`Worker::enter`] (and, for the
+    /// final states and `Up`, by [`Worker::finish_closed`], [`Worker::fail`] and
+    /// [`Worker::install`], which check the same [`transition`]).
+    phase: Phase,
+    /// The end of the wait of a state without a link: the hold of `Held` (then the forced
+    /// path), the wait for the peer of `AwaitingPeer` and `Resuming` (then the failure).
+    down_until: Instant,
     rx: mpsc::Receiver<Command>,
     // Field order matters for Drop: the link (QP, CQ, MRs, PD, id) before the channel.
     link: Option<Link>,
@@ -142,7 +141,6 @@ struct Worker {
     bridging: bool,
     /// When the active side may try to open a lost bridge again.
     next_bridge_attempt: Instant,
-    down: Down,
     peer: Option<SocketAddr>,
     quiesce_op: Option<(Instant, Reply)>,
     resume_op: Option<(Instant, Reply)>,
@@ -154,7 +152,6 @@ struct Worker {
     last_link: Option<LinkEvent>,
     slot: usize,
     wcs: Vec<WorkCompletion>,
-    done: bool,
 }
 
 /// Which of the worker's descriptors became readable (their readiness is cleared: each must
@@ -223,6 +220,8 @@ impl Worker {
         let slot = HEADER_LEN + sh.opts.max_message;
         Ok(Worker {
             sh,
+            phase: Phase::Connecting,
+            down_until: Instant::now(),
             rx,
             link: None,
             chan,
@@ -231,9 +230,6 @@ impl Worker {
             tick,
             bridging: false,
             next_bridge_attempt: Instant::now(),
-            down: Down::Awaiting {
-                until: Instant::now(),
-            },
             peer: None,
             quiesce_op: None,
             resume_op: None,
@@ -244,7 +240,6 @@ impl Worker {
             last_link: None,
             slot,
             wcs: Vec::with_capacity(64),
-            done: false,
         })
     }
 
@@ -252,13 +247,37 @@ impl Worker {
         self.sh.opts.recv_depth.max(2 * RESERVE as u32)
     }
 
-    fn set_state(&self, s: ConnectionState) {
-        let mut st = self.sh.lock();
-        if st.conn_state != ConnectionState::Failed && st.conn_state != ConnectionState::Closed {
-            st.conn_state = s;
+    /// Moves the connection to `to` if [`transition`] allows it, and shows the application
+    /// and the agent the state it reached (`Closing` leaves the former one in view). An
+    /// invalid move is logged and fails the connection (see [`Worker::refused`]); returns
+    /// whether the move was made.
+    fn enter(&mut self, to: Phase) -> bool {
+        match transition(self.phase, to) {
+            Ok(to) => {
+                self.phase = to;
+                if let Some(visible) = to.visible() {
+                    self.sh.lock().conn_state = visible;
+                }
+                self.sh.changed();
+                true
+            }
+            Err(invalid) => {
+                self.refused(invalid);
+                false
+            }
         }
-        drop(st);
-        self.sh.changed();
+    }
+
+    /// A move the state machine refused: a bug in the worker. Logged; the connection fails
+    /// cleanly (everything released, every request answered), unless it has already ended.
+    fn refused(&mut self, invalid: InvalidTransition) {
+        tracing::warn!(conn = format_args!("{:016x}", self.sh.id), error = %invalid, "invalid connection state transition");
+        if !self.phase.is_final() {
+            self.fail(Failure::InvalidTransition {
+                from: invalid.from.name(),
+                to: invalid.to.name(),
+            });
+        }
     }
 
     /// Closes a connection no application holds, as dropping its handle would.
@@ -266,11 +285,12 @@ impl Worker {
         self.sh.lock().closed_by_app = true;
         let (reply, _) = oneshot::channel();
         self.close_op = Some((Instant::now() + Duration::from_secs(1), reply));
+        self.enter(Phase::Closing);
     }
 
     async fn run(mut self, start: Start) {
         self.start(start).await;
-        while !self.done {
+        while !self.phase.is_final() {
             // Everything that needs prompt action wakes the worker (the application's
             // Notify, the CM channel, the completion channel, the bridge); the tick only
             // drives the coarse deadlines (100 ms granularity, all of them at least 500 ms
@@ -278,7 +298,7 @@ impl Worker {
             // would find nothing (EAGAIN) is a system call the round does not need.
             let ready = self.wait().await;
             self.handle_commands().await;
-            if self.done {
+            if self.phase.is_final() {
                 break;
             }
             // Completions first: a CLOSE (or PAUSE) the peer sent just before it disconnected
@@ -350,13 +370,24 @@ impl Worker {
                         self.finish_closed();
                         return;
                     }
+                    // A second close (the handle's drop after `close`) takes over the
+                    // first one's deadline and reply, as before.
                     self.close_op = Some((deadline, reply));
+                    if self.phase != Phase::Closing {
+                        self.enter(Phase::Closing);
+                    }
                 }
             }
         }
     }
 
+    /// The connection is closed: releases everything and ends the worker.
     fn finish_closed(&mut self) {
+        if let Err(invalid) = transition(self.phase, Phase::Closed) {
+            self.refused(invalid);
+            return;
+        }
+        self.phase = Phase::Closed;
         self.link = None;
         self.bridge = None;
         let mut st = self.sh.lock();
@@ -365,10 +396,17 @@ impl Worker {
         st.conn_state = ConnectionState::Closed;
         drop(st);
         self.sh.changed();
-        self.done = true;
     }
 
+    /// The connection fails for good: releases everything, answers every pending request
+    /// with the reason and ends the worker. A connection that has already ended stays as it
+    /// ended.
     fn fail(&mut self, cause: Failure) {
+        if let Err(invalid) = transition(self.phase, Phase::Failed) {
+            tracing::warn!(conn = format_args!("{:016x}", self.sh.id), error = %invalid, reason = %cause, "invalid connection state transition");
+            return;
+        }
+        self.phase = Phase::Failed;
         self.link = None;
         self.bridge = None;
         let _ = refresh_device_list();
@@ -391,7 +429,6 @@ impl Worker {
         {
             let _ = op.1.send(Err(reason.clone()));
         }
-        self.done = true;
     }
 }
 

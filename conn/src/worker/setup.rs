@@ -10,7 +10,8 @@ use rdmamig_proto::agent::ConnectionState;
 use rdmamig_proto::text::error_chain;
 
 use super::link::{build_endpoint, Endpoint, Link, EXTRA_SEND_SLOTS, RESERVE, SIGNAL_EVERY};
-use super::{bridge_ready, clear, Down, Start, Worker};
+use super::state::{transition, Phase};
+use super::{bridge_ready, clear, Start, Worker};
 use crate::credits::{Credits, StarvedProbe};
 use crate::error::ConnError;
 use crate::failure::{Failure, LinkEvent};
@@ -108,7 +109,7 @@ impl Worker {
             });
             let _ = id.reject(&pd.encode());
         };
-        if matches!(self.down, Down::Quiesced { .. }) {
+        if self.phase == Phase::Held {
             // Quiesced here: reconnecting now would reopen the device that is going away.
             reject(&id, RejectReason::Busy);
             return;
@@ -280,12 +281,19 @@ impl Worker {
         self.install(ep, hello.credits as u64, hello.last_received)
     }
 
+    /// Makes the established QP of `ep` the connection's link (state `Up`).
     pub(super) fn install(
         &mut self,
         ep: Endpoint,
         peer_credits: u64,
         peer_last: u64,
     ) -> Result<(), AttemptError> {
+        // The link becomes the connection's only through the state machine: a connection
+        // that ended meanwhile (a close or the peer's CLOSE while the QP was set up) drops it.
+        if let Err(invalid) = transition(self.phase, Phase::Up) {
+            self.refused(invalid);
+            return Err(transient(invalid.to_string()));
+        }
         let comp = watch(ep.comp.clone())
             .map_err(|e| transient(format!("watching the completion channel: {e}")))?;
         let local = ep
@@ -326,6 +334,7 @@ impl Worker {
             withheld: Vec::new(),
             inbox_limit: self.sh.inbox_limit(),
         });
+        self.phase = Phase::Up;
         st.conn_state = ConnectionState::Established;
         st.stats.established += 1;
         st.local = local;
@@ -335,7 +344,6 @@ impl Worker {
         // Back on RDMA: the bridge stops carrying (what it had in flight arrives as
         // duplicates or in order; see the bridge module).
         self.bridging = false;
-        self.down = Down::None;
         self.last_error.clear();
         self.last_link = None;
         if let Some((_, r)) = self.resume_op.take() {
