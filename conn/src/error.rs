@@ -5,10 +5,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rdmamig_proto::agent::ConnectionState;
+use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
 use rdmamig_verbs::VerbsError;
 use thiserror::Error;
 
+use crate::bridge::BridgeError;
+use crate::control::ControlError;
 use crate::failure::Failure;
 use crate::wire::RejectReason;
 
@@ -37,16 +40,17 @@ pub enum ConnError {
         id: ConnectionId,
         /// quiesce, resume or close.
         op: &'static str,
-        /// Why (names the deadline when one passed).
-        reason: String,
+        /// Why (names the deadline when one passed). In the message, not a `source`: the
+        /// message has always said why, and error chains would say it twice.
+        reason: ControlError,
     },
     /// The TCP bridge could not be set up (listening on, or connecting to, `addr`).
-    #[error("the bridge at {addr} could not be set up: {reason}")]
+    #[error("the bridge at {addr} could not be set up: {}", error_chain(.reason))]
     Bridge {
         /// The bridge address.
         addr: SocketAddr,
-        /// Why.
-        reason: String,
+        /// Why, with its causes (in the message, as it always was).
+        reason: BridgeError,
     },
     /// Connecting did not succeed before the connect deadline.
     #[error("connecting to {peer} timed out after {after:?} (last error: {last})")]

@@ -80,7 +80,7 @@
 //! # Layout
 //!
 //! The modules form a tree with no import cycle; this root only declares them and re-exports
-//! the public API. The leaves: [`wire`] (the codecs), `options`, `error`, `failure`,
+//! the public API. The leaves: [`wire`] (the codecs), `options`, `error`, `control`, `failure`,
 //! `credits`, `sendq`, `reply`, [`registry`]. `shared` is what a handle and its worker share;
 //! `worker` runs the connection on it; `connection`, `listener` and `asynchronous` are the
 //! application's handles; `probe` and [`plain`] stand beside them.
@@ -88,6 +88,7 @@
 mod asynchronous;
 mod bridge;
 mod connection;
+mod control;
 mod credits;
 mod error;
 mod failure;
@@ -104,7 +105,9 @@ pub mod wire;
 pub(crate) mod worker;
 
 pub use asynchronous::{AsyncConnection, AsyncListener};
+pub use bridge::{BridgeError, FrameError};
 pub use connection::Connection;
+pub use control::ControlError;
 pub use error::ConnError;
 pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;

@@ -14,6 +14,7 @@ use rdmamig_proto::ConnectionId;
 use rdmamig_verbs::CmId;
 use tokio::sync::oneshot;
 
+use crate::control::ControlError;
 use crate::error::ConnError;
 use crate::failure::Failure;
 use crate::onesided;
@@ -201,7 +202,7 @@ impl ConnShared {
     pub(crate) fn ask(
         &self,
         make: impl FnOnce(Reply) -> Command,
-    ) -> Option<oneshot::Receiver<Result<(), String>>> {
+    ) -> Option<oneshot::Receiver<Result<(), ControlError>>> {
         let (tx, rx) = oneshot::channel();
         self.command(make(tx)).ok().map(|()| rx)
     }
@@ -215,14 +216,14 @@ impl ConnShared {
     /// What a request's wait came to.
     pub(crate) fn answered(
         &self,
-        answer: Result<Result<(), String>, NoAnswer>,
-    ) -> Result<(), String> {
+        answer: Result<Result<(), ControlError>, NoAnswer>,
+    ) -> Result<(), ControlError> {
         match answer {
             Ok(answer) => answer,
             // The worker ended (closed or failed) before it took the command: the command
             // was dropped with its queue.
             Err(NoAnswer::Dropped) => self.stopped(),
-            Err(NoAnswer::TimedOut) => Err("the connection did not answer in time".to_string()),
+            Err(NoAnswer::TimedOut) => Err(ControlError::NoAnswer),
         }
     }
 
@@ -230,7 +231,7 @@ impl ConnShared {
         &self,
         make: impl FnOnce(Reply) -> Command,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), ControlError> {
         match self.ask(make) {
             Some(rx) => self.answered(reply::wait(rx, Self::answer_by(deadline))),
             None => self.stopped(),
@@ -241,7 +242,7 @@ impl ConnShared {
         &self,
         make: impl FnOnce(Reply) -> Command,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), ControlError> {
         match self.ask(make) {
             Some(rx) => self.answered(reply::wait_async(rx, Self::answer_by(deadline)).await),
             None => self.stopped(),
@@ -249,10 +250,10 @@ impl ConnShared {
     }
 
     /// The answer to a request the worker can no longer take: done if it closed.
-    pub(crate) fn stopped(&self) -> Result<(), String> {
+    pub(crate) fn stopped(&self) -> Result<(), ControlError> {
         match self.lock().conn_state {
             ConnectionState::Closed => Ok(()),
-            s => Err(format!("connection worker has stopped ({s:?})")),
+            state => Err(ControlError::WorkerStopped { state }),
         }
     }
 
@@ -278,7 +279,7 @@ impl Migratable for ConnShared {
         Some(self.info())
     }
 
-    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), String> {
+    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), ControlError> {
         self.request(
             |reply| Command::Quiesce {
                 deadline,
@@ -289,7 +290,7 @@ impl Migratable for ConnShared {
         )
     }
 
-    fn resume(&self, deadline: Instant) -> Result<(), String> {
+    fn resume(&self, deadline: Instant) -> Result<(), ControlError> {
         self.request(|reply| Command::Resume { deadline, reply }, deadline)
     }
 

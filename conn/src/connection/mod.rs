@@ -14,6 +14,7 @@ use rdmamig_proto::ConnectionId;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+use crate::control::ControlError;
 use crate::error::ConnError;
 use crate::options::ConnectOptions;
 use crate::registry::{self, Migratable};
@@ -289,7 +290,7 @@ impl Connection {
         &self,
         op: &'static str,
         timeout: Duration,
-        f: impl FnOnce(&ConnShared, Instant) -> Result<(), String>,
+        f: impl FnOnce(&ConnShared, Instant) -> Result<(), ControlError>,
     ) -> Result<(), ConnError> {
         self.check_usable(&self.shared.lock(), op)?;
         f(&self.shared, Instant::now() + timeout).map_err(|reason| ConnError::Control {
@@ -323,7 +324,7 @@ impl Connection {
         Ok(Instant::now() + self.shared.opts.close_timeout)
     }
 
-    pub(crate) fn close_failed(&self, reason: String) -> ConnError {
+    pub(crate) fn close_failed(&self, reason: ControlError) -> ConnError {
         ConnError::Control {
             id: self.shared.id,
             op: "close",

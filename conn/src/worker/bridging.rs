@@ -5,11 +5,12 @@
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::Role;
+use rdmamig_proto::text::error_chain;
 use tokio::io::unix::AsyncFd;
 
 use super::data::next_unsent;
 use super::Worker;
-use crate::bridge::Bridge;
+use crate::bridge::{Bridge, BridgeError, FrameError};
 use crate::credits::{classify, Arrival};
 use crate::error::ConnError;
 use crate::shared::State;
@@ -79,14 +80,18 @@ impl Worker {
         match answered {
             Ok(()) => {}
             Err(e) => {
-                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e, "bridge not accepted")
+                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %error_chain(&e), "bridge not accepted")
             }
         }
     }
 
     /// Carries on with `bridge`, watched by the runtime from now on.
-    pub(super) fn install_bridge(&mut self, bridge: Bridge, peer_last: u64) -> Result<(), String> {
-        let mut bridge = watch(bridge).map_err(|e| format!("watching the bridge socket: {e}"))?;
+    pub(super) fn install_bridge(
+        &mut self,
+        bridge: Bridge,
+        peer_last: u64,
+    ) -> Result<(), BridgeError> {
+        let mut bridge = watch(bridge).map_err(BridgeError::Watch)?;
         let mut st = self.sh.lock();
         while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
             st.outbox.pop_front();
@@ -149,10 +154,10 @@ impl Worker {
                         }
                         Arrival::Duplicate => st.stats.duplicates_dropped += 1,
                         Arrival::Gap { expected } => {
-                            return Err(format!(
-                                "received sequence {} on the bridge while expecting {expected}",
-                                h.seq
-                            ))
+                            return Err(FrameError::OutOfOrder {
+                                seq: h.seq,
+                                expected,
+                            })
                         }
                     }
                 }
@@ -188,7 +193,8 @@ impl Worker {
     }
 
     /// The bridge broke or the peer closed it: messages stay queued for the next path.
-    pub(super) fn bridge_lost(&mut self, why: String) {
+    pub(super) fn bridge_lost(&mut self, why: BridgeError) {
+        let why = error_chain(&why);
         self.bridge = None;
         let mut st = self.sh.lock();
         st.bridge_up = false;

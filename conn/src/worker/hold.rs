@@ -10,6 +10,7 @@ use super::link::Pause;
 use super::setup::AttemptError;
 use super::state::Phase;
 use super::Worker;
+use crate::control::ControlError;
 use crate::failure::{Failure, LinkEvent};
 use crate::reply::Reply;
 use crate::wire::{Kind, FLAG_BRIDGE, FLAG_MOVING};
@@ -25,7 +26,7 @@ pub(super) const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
 impl Worker {
     pub(super) fn on_quiesce(&mut self, deadline: Instant, bridge: bool, reply: Reply) {
         if let Some((_, r)) = self.resume_op.take() {
-            let _ = r.send(Err("a quiesce arrived before the resume completed".into()));
+            let _ = r.send(Err(ControlError::QuiesceBeforeResume));
         }
         if bridge {
             self.start_bridging();
@@ -61,7 +62,7 @@ impl Worker {
     pub(super) fn on_resume(&mut self, deadline: Instant, reply: Reply) {
         if let Some(link) = &self.link {
             if link.pause.is_some() {
-                let _ = reply.send(Err("cannot resume while a quiesce is in progress".into()));
+                let _ = reply.send(Err(ControlError::QuiesceInProgress));
             } else {
                 let _ = reply.send(Ok(()));
             }
@@ -72,11 +73,14 @@ impl Worker {
         self.next_attempt = now;
         if self.phase != Phase::Resuming && !self.enter(Phase::Resuming) {
             // The connection failed (and answered its requests): this one too.
-            let _ = reply.send(Err("the connection cannot resume".into()));
+            let _ = reply.send(Err(ControlError::InvalidState {
+                op: "resume",
+                state: self.phase.name(),
+            }));
             return;
         }
         if let Some((_, r)) = self.resume_op.replace((deadline, reply)) {
-            let _ = r.send(Err("superseded by a newer resume".into()));
+            let _ = r.send(Err(ControlError::Superseded));
         }
     }
 
@@ -216,9 +220,7 @@ impl Worker {
             let _ = reply.send(if expected {
                 Ok(())
             } else {
-                Err(format!(
-                    "the link broke during the quiesce ({why}); resources released"
-                ))
+                Err(ControlError::LinkBroke { why })
             });
             self.down_until = now + self.sh.opts.peer_wait;
             self.enter(Phase::Held);
@@ -297,9 +299,7 @@ impl Worker {
                 None => "the link",
             };
             let (_, reply) = self.quiesce_op.take().expect("checked");
-            let _ = reply.send(Err(format!(
-                "quiesce timed out waiting for {what}; resources released anyway"
-            )));
+            let _ = reply.send(Err(ControlError::QuiesceTimedOut { what }));
             self.link_lost(
                 LinkEvent::Deadline {
                     deadline: "quiesce",
@@ -315,20 +315,15 @@ impl Worker {
         }
         if self.resume_op.as_ref().is_some_and(|(d, _)| now >= *d) {
             let (_, reply) = self.resume_op.take().expect("checked");
-            let _ = reply.send(Err(format!(
-                "resume timed out (last error: {})",
-                if self.last_error.is_empty() {
-                    "none; the peer did not reconnect"
-                } else {
-                    &self.last_error
-                }
-            )));
+            let _ = reply.send(Err(ControlError::ResumeTimedOut {
+                last_error: (!self.last_error.is_empty()).then(|| self.last_error.clone()),
+            }));
         }
         if self.close_op.as_ref().is_some_and(|(d, _)| now >= *d) {
             let (_, reply) = self.close_op.take().expect("checked");
             self.link = None;
             let _ = refresh_device_list();
-            let _ = reply.send(Err("close timed out; resources released".into()));
+            let _ = reply.send(Err(ControlError::CloseTimedOut));
             self.finish_closed();
         }
     }

@@ -45,6 +45,7 @@ use link::{Link, RESERVE};
 use state::{transition, InvalidTransition, Phase};
 
 use crate::bridge::Bridge;
+use crate::control::ControlError;
 use crate::error::ConnError;
 use crate::failure::{Failure, LinkEvent};
 use crate::reply::Reply;
@@ -410,12 +411,11 @@ impl Worker {
         self.link = None;
         self.bridge = None;
         let _ = refresh_device_list();
-        let reason = cause.to_string();
-        tracing::warn!(conn = format_args!("{:016x}", self.sh.id), %reason, "connection failed");
+        tracing::warn!(conn = format_args!("{:016x}", self.sh.id), reason = %cause, "connection failed");
         let mut st = self.sh.lock();
         st.bridge_up = false;
         st.conn_state = ConnectionState::Failed;
-        st.failure = Some(cause);
+        st.failure = Some(cause.clone());
         st.onesided.ops.clear();
         drop(st);
         self.sh.changed();
@@ -427,7 +427,7 @@ impl Worker {
         .into_iter()
         .flatten()
         {
-            let _ = op.1.send(Err(reason.clone()));
+            let _ = op.1.send(Err(ControlError::Failed(cause.clone())));
         }
     }
 }
