@@ -20,9 +20,51 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{mpsc, Arc};
 
+use thiserror::Error;
+
 use crate::error::ConnError;
 use crate::wire::{RegionEntry, ACCESS_READ, ACCESS_WRITE};
 use rdmamig_verbs::{ExposedMemory, RemoteAccess};
+
+/// What the peer's REGIONS records or the completions of one-sided operations got wrong
+/// (each ends the link: a protocol or a local error).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub(crate) enum OneSidedError {
+    /// The peer announced a new buffer beyond [`MAX_BUFFERS`].
+    #[error("the peer announced more than {MAX_BUFFERS} buffers (handle {handle})")]
+    TooManyBuffers {
+        /// The new buffer's handle.
+        handle: u64,
+    },
+    /// The peer announced a buffer again with another size or access.
+    #[error("the peer changed buffer {handle} from {old_len} to {new_len} bytes (access {old_access} to {new_access})")]
+    BufferChanged {
+        /// The buffer's handle.
+        handle: u64,
+        /// Its size before.
+        old_len: u64,
+        /// Its size now.
+        new_len: u64,
+        /// Its access bits before.
+        old_access: u8,
+        /// Its access bits now.
+        new_access: u8,
+    },
+    /// A completion for an operation that is not the oldest queued (RC completes in order).
+    #[error("one-sided completion for operation {id} while {oldest} is the oldest")]
+    OutOfOrder {
+        /// The completed operation.
+        id: u64,
+        /// The oldest queued one.
+        oldest: u64,
+    },
+    /// A completion with no operation queued.
+    #[error("one-sided completion for operation {id} with none queued")]
+    NoneQueued {
+        /// The completed operation.
+        id: u64,
+    },
+}
 
 /// What the peer may do to an exposed buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,13 +223,10 @@ pub(crate) const MAX_BUFFERS: usize = 1024;
 
 impl PeerMap {
     /// Takes the records of one REGIONS message.
-    pub(crate) fn update(&mut self, entries: &[RegionEntry]) -> Result<(), String> {
+    pub(crate) fn update(&mut self, entries: &[RegionEntry]) -> Result<(), OneSidedError> {
         for e in entries {
             if !self.buffers.contains_key(&e.handle) && self.buffers.len() >= MAX_BUFFERS {
-                return Err(format!(
-                    "the peer announced more than {MAX_BUFFERS} buffers (handle {})",
-                    e.handle
-                ));
+                return Err(OneSidedError::TooManyBuffers { handle: e.handle });
             }
             let b = RemoteBuffer {
                 handle: e.handle,
@@ -196,10 +235,13 @@ impl PeerMap {
             };
             match self.buffers.get(&e.handle) {
                 Some(old) if *old != b => {
-                    return Err(format!(
-                        "the peer changed buffer {} from {} to {} bytes (access {} to {})",
-                        e.handle, old.len, b.len, old.access, b.access
-                    ))
+                    return Err(OneSidedError::BufferChanged {
+                        handle: e.handle,
+                        old_len: old.len,
+                        new_len: b.len,
+                        old_access: old.access,
+                        new_access: b.access,
+                    })
                 }
                 _ => {
                     self.buffers.insert(e.handle, b);
@@ -304,16 +346,11 @@ impl Ops {
     }
 
     /// Completion of `id`: RC completes in posting order, so it must be the oldest.
-    pub(crate) fn complete(&mut self, id: u64) -> Result<Op, String> {
+    pub(crate) fn complete(&mut self, id: u64) -> Result<Op, OneSidedError> {
         match self.queue.front() {
             Some(op) if op.id == id => Ok(self.queue.pop_front().expect("checked")),
-            Some(op) => Err(format!(
-                "one-sided completion for operation {id} while {} is the oldest",
-                op.id
-            )),
-            None => Err(format!(
-                "one-sided completion for operation {id} with none queued"
-            )),
+            Some(op) => Err(OneSidedError::OutOfOrder { id, oldest: op.id }),
+            None => Err(OneSidedError::NoneQueued { id }),
         }
     }
 
@@ -409,7 +446,10 @@ mod tests {
         map.update(&full).unwrap();
         // Announcing a known buffer again is fine; a new one is not.
         map.update(&[entry(0)]).unwrap();
-        let err = map.update(&[entry(MAX_BUFFERS as u64)]).unwrap_err();
+        let err = map
+            .update(&[entry(MAX_BUFFERS as u64)])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("more than 1024 buffers"), "{err}");
         assert_eq!(map.buffers.len(), MAX_BUFFERS);
     }

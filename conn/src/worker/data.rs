@@ -101,7 +101,7 @@ impl Worker {
         let mut failure = repost_withheld(link, &st).err();
         let leaving = link.pause.as_ref().is_some_and(|p| p.sent) || link.close_sent;
         if let Err(e) = link.register_exposures(&st) {
-            failure.get_or_insert(LinkEvent::Local(e));
+            failure.get_or_insert(LinkEvent::from(e));
         }
         let per_message = (self.sh.opts.max_message / REGION_ENTRY_LEN).max(1);
         while failure.is_none() && !link.announce.is_empty() && !leaving && link.can_post_control()
@@ -115,7 +115,7 @@ impl Worker {
                 Ok(()) => {
                     link.announce.drain(..n);
                 }
-                Err(e) => failure = Some(LinkEvent::Local(e)),
+                Err(e) => failure = Some(LinkEvent::from(e)),
             }
         }
         while failure.is_none() && link.can_post_onesided() {
@@ -137,7 +137,7 @@ impl Worker {
             }
             let id = op.id;
             if let Err(e) = link.post_onesided(op, &key) {
-                failure = Some(LinkEvent::Local(e));
+                failure = Some(LinkEvent::from(e));
                 break;
             }
             link.ops_posted_upto = id;
@@ -153,7 +153,7 @@ impl Worker {
             };
             let (seq, last_received) = (*seq, st.last_received);
             if let Err(e) = link.stage(Kind::Data, 0, seq, data, last_received) {
-                failure = Some(LinkEvent::Local(e));
+                failure = Some(LinkEvent::from(e));
                 break;
             }
             staged_upto = seq;
@@ -166,7 +166,7 @@ impl Worker {
                     st.max_posted = st.max_posted.max(staged_upto);
                     link.posted_upto = staged_upto;
                 }
-                Err(e) => failure = Some(LinkEvent::Local(e)),
+                Err(e) => failure = Some(LinkEvent::from(e)),
             }
         }
         let data_waits = next_unsent(&st.outbox, link.posted_upto).is_some();
@@ -178,7 +178,7 @@ impl Worker {
             || link.credits.lag() >= (self.sh.opts.recv_depth as u64 / 4).max(1);
         if failure.is_none() && owed && !quiet && link.can_post_control() {
             if let Err(e) = link.post(Kind::Ack, 0, 0, &[], last_received) {
-                failure = Some(LinkEvent::Local(e));
+                failure = Some(LinkEvent::from(e));
             }
         }
         // Out of credits with nothing in flight, a vanished peer would go unnoticed: probe.
@@ -191,7 +191,7 @@ impl Worker {
             && link.disconnecting.is_none();
         if failure.is_none() && link.starved.due(starved, Instant::now()) && link.free_slots() > 0 {
             if let Err(e) = link.post_probe() {
-                failure = Some(LinkEvent::Local(e));
+                failure = Some(LinkEvent::from(e));
             }
         }
         if let Some(f) = failure {
@@ -236,7 +236,7 @@ pub(super) fn process(
         }
         link.slots
             .completed(wc.wr_id as u32)
-            .map_err(LinkEvent::Local)?;
+            .map_err(|e| LinkEvent::Local(e.to_string()))?;
         return Ok(());
     }
     if !wc.ok() {
@@ -297,7 +297,7 @@ pub(super) fn process(
             st.onesided
                 .peer
                 .update(&entries)
-                .map_err(LinkEvent::Protocol)?;
+                .map_err(|e| LinkEvent::Protocol(e.to_string()))?;
             for e in entries {
                 link.remote_keys.insert(e.handle, e);
             }
@@ -356,8 +356,14 @@ pub(super) fn onesided_done(
     };
     // Frees its slot and those of the unsignaled SENDs posted before it. A READ's data is
     // taken from the slot below, before anything is posted into it again.
-    link.slots.completed(slot).map_err(LinkEvent::Local)?;
-    let op = st.onesided.ops.complete(id).map_err(LinkEvent::Local)?;
+    link.slots
+        .completed(slot)
+        .map_err(|e| LinkEvent::Local(e.to_string()))?;
+    let op = st
+        .onesided
+        .ops
+        .complete(id)
+        .map_err(|e| LinkEvent::Local(e.to_string()))?;
     if let OpKind::Read(len, reply) = op.kind {
         let data = link
             .ep

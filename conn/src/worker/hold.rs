@@ -126,7 +126,7 @@ impl Worker {
                     link.owe_pause_ack = false;
                     link.pause_ack_sent = true;
                 }
-                Err(e) => failure = Some(LinkEvent::Local(e)),
+                Err(e) => failure = Some(LinkEvent::from(e)),
             }
         }
         if let Some(p) = &mut link.pause {
@@ -142,7 +142,7 @@ impl Worker {
                     FLAG_MOVING
                 };
                 if let Err(e) = link.post(Kind::Pause, flags, 0, &[], last_received) {
-                    failure = Some(LinkEvent::Local(e));
+                    failure = Some(LinkEvent::from(e));
                 }
             }
         }
@@ -155,7 +155,7 @@ impl Worker {
             if !link.close_sent && (drained || late) && link.can_post_control() {
                 link.close_sent = true;
                 if let Err(e) = link.post(Kind::Close, 0, 0, &[], last_received) {
-                    failure = Some(LinkEvent::Local(e));
+                    failure = Some(LinkEvent::from(e));
                 }
             }
         }

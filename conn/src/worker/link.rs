@@ -9,7 +9,10 @@ use std::time::Instant;
 use rdmamig_proto::text::error_chain;
 use tokio::io::unix::AsyncFd;
 
+use thiserror::Error;
+
 use crate::credits::{Credits, StarvedProbe};
+use crate::failure::LinkEvent;
 use crate::onesided::{remote_access, OpKind};
 use crate::sendq::SendSlots;
 use crate::shared::State;
@@ -85,6 +88,59 @@ pub(crate) fn build_endpoint(
     })
 }
 
+/// What failed in writing or posting on a link. Any of them leaves the link unusable: the
+/// worker gives it up as a local [`LinkEvent`] naming the whole chain.
+#[derive(Debug, Error)]
+pub(super) enum PostError {
+    /// Every send slot is in flight or staged.
+    #[error("no free send slot")]
+    NoFreeSlot,
+    /// A WRITE's data does not fit a send slot.
+    #[error("write larger than a send slot")]
+    WriteTooLarge,
+    /// A message does not fit a send slot.
+    #[error("message larger than a send slot")]
+    MessageTooLarge,
+    /// ibv_post_send of a WRITE or READ failed.
+    #[error("posting an RDMA {op:?}")]
+    Rdma {
+        /// WRITE or READ.
+        op: RdmaOp,
+        /// The cause.
+        #[source]
+        source: VerbsError,
+    },
+    /// ibv_post_send of the starved sender's probe failed.
+    #[error("posting a probe")]
+    Probe(#[source] VerbsError),
+    /// Registering an exposed buffer on this QP's PD failed.
+    #[error("registering exposed buffer {handle}")]
+    RegisterExposed {
+        /// The buffer's handle.
+        handle: u64,
+        /// The cause.
+        #[source]
+        source: VerbsError,
+    },
+    /// ibv_post_send of a chain of SENDs failed part way.
+    #[error("posting {n} sends failed after {posted}")]
+    Sends {
+        /// SENDs in the chain.
+        n: usize,
+        /// How many were posted.
+        posted: usize,
+        /// The cause.
+        #[source]
+        source: VerbsError,
+    },
+}
+
+impl From<PostError> for LinkEvent {
+    fn from(e: PostError) -> Self {
+        LinkEvent::Local(error_chain(&e))
+    }
+}
+
 /// Our own quiesce in progress on a live link.
 #[derive(Debug, Default)]
 pub(super) struct Pause {
@@ -158,8 +214,8 @@ impl Link {
         &mut self,
         op: &crate::onesided::Op,
         key: &RegionEntry,
-    ) -> Result<(), String> {
-        let slot = self.slots.take().ok_or("no free send slot")?;
+    ) -> Result<(), PostError> {
+        let slot = self.slots.take().ok_or(PostError::NoFreeSlot)?;
         let off = slot as usize * self.slot;
         let rdma = match &op.kind {
             OpKind::Write(data) => {
@@ -167,7 +223,7 @@ impl Link {
                     .ep
                     .send_mr
                     .write(off, data.len())
-                    .ok_or("write larger than a send slot")?;
+                    .ok_or(PostError::WriteTooLarge)?;
                 buf.copy_from_slice(data);
                 RdmaOp::Write
             }
@@ -182,7 +238,10 @@ impl Link {
             key.rkey,
             ONESIDED_BASE + slot as u64,
         ) {
-            return Err(format!("posting an RDMA {rdma:?}: {}", error_chain(&e)));
+            return Err(PostError::Rdma {
+                op: rdma,
+                source: e,
+            });
         }
         // Posted alone and signaled: its completion tells which operation is done.
         self.slots.posted(slot, true);
@@ -193,15 +252,15 @@ impl Link {
     /// Posts a zero-length RDMA WRITE through a send slot ([`StarvedProbe`]): it carries
     /// nothing and takes no receive at the peer (C9-88: no address or rkey is checked), but
     /// must be acknowledged by the peer's QP.
-    pub(super) fn post_probe(&mut self) -> Result<(), String> {
-        let slot = self.slots.take().ok_or("no free send slot")?;
+    pub(super) fn post_probe(&mut self) -> Result<(), PostError> {
+        let slot = self.slots.take().ok_or(PostError::NoFreeSlot)?;
         let off = slot as usize * self.slot;
         if let Err(e) =
             self.ep
                 .id
                 .post_rdma(RdmaOp::Write, &self.ep.send_mr, off, 0, 0, 0, slot as u64)
         {
-            return Err(format!("posting a probe: {}", error_chain(&e)));
+            return Err(PostError::Probe(e));
         }
         // Posted alone and signaled, like a control message.
         self.slots.posted(slot, true);
@@ -209,7 +268,7 @@ impl Link {
     }
 
     /// Registers the exposures not yet registered on this QP and queues their records.
-    pub(super) fn register_exposures(&mut self, st: &State) -> Result<(), String> {
+    pub(super) fn register_exposures(&mut self, st: &State) -> Result<(), PostError> {
         // Exposures are never withdrawn: equal counts mean all are registered.
         if self.exposed.len() == st.onesided.exposed.len() {
             return Ok(());
@@ -222,7 +281,10 @@ impl Link {
                 .ep
                 .pd
                 .register_exposed(mem, remote_access(*access))
-                .map_err(|e| format!("registering exposed buffer {handle}: {}", error_chain(&e)))?;
+                .map_err(|source| PostError::RegisterExposed {
+                    handle: *handle,
+                    source,
+                })?;
             self.announce.push(RegionEntry {
                 handle: *handle,
                 addr: region.addr(),
@@ -258,7 +320,7 @@ impl Link {
         seq: u64,
         payload: &[u8],
         last_received: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), PostError> {
         self.stage(kind, flags, seq, payload, last_received)?;
         self.flush()
     }
@@ -271,8 +333,8 @@ impl Link {
         seq: u64,
         payload: &[u8],
         last_received: u64,
-    ) -> Result<(), String> {
-        let slot = self.slots.take().ok_or("no free send slot")?;
+    ) -> Result<(), PostError> {
+        let slot = self.slots.take().ok_or(PostError::NoFreeSlot)?;
         let off = slot as usize * self.slot;
         let len = HEADER_LEN + payload.len();
         let header = Header {
@@ -287,7 +349,7 @@ impl Link {
             .ep
             .send_mr
             .write(off, len)
-            .ok_or("message larger than a send slot")?;
+            .ok_or(PostError::MessageTooLarge)?;
         header.encode(buf);
         buf[HEADER_LEN..].copy_from_slice(payload);
         self.staged.push(SendWr {
@@ -302,19 +364,14 @@ impl Link {
 
     /// Posts the staged SENDs as one chain (one doorbell), signaled as [`SendSlots`]
     /// decides. A failed post leaves the link unusable: the caller gives it up.
-    pub(super) fn flush(&mut self) -> Result<(), String> {
+    pub(super) fn flush(&mut self) -> Result<(), PostError> {
         let n = self.staged.len();
         for (i, wr) in self.staged.iter_mut().enumerate() {
             wr.signaled = self.slots.posted(wr.wr_id as u32, i + 1 == n);
         }
         let result = self.ep.id.post_sends(&self.ep.send_mr, &self.staged);
         self.staged.clear();
-        result.map_err(|(posted, e)| {
-            format!(
-                "posting {n} sends failed after {posted}: {}",
-                error_chain(&e)
-            )
-        })
+        result.map_err(|(posted, source)| PostError::Sends { n, posted, source })
     }
 }
 
