@@ -54,7 +54,7 @@ pub enum BridgeError {
     /// Making the socket blocking or not, or setting its timeouts or TCP_NODELAY, failed.
     #[error("configuring the socket")]
     Configure(#[source] std::io::Error),
-    /// The greeting took longer than [`SETUP_TIMEOUT`].
+    /// The greeting took longer than the set-up timeout (2 s).
     #[error("the BRIDGE record did not arrive within {SETUP_TIMEOUT:?}")]
     GreetingLate,
     /// The stream ended before the whole greeting.

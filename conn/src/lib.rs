@@ -2,7 +2,7 @@
 //! QP set up with rdma_cm, that survives a quiesce, a device swap and a resume.
 //!
 //! One worker per connection owns every verbs object of it: an async task that awaits its
-//! descriptors through tokio (conn/src/worker.rs), on a runtime of its own thread for a
+//! descriptors through tokio (conn/src/worker/), on a runtime of its own thread for a
 //! [`Connection`], on the application's runtime for an [`AsyncConnection`]. The
 //! [`Connection`] handle (Send + Sync) talks to the worker through shared queues. The
 //! protocol (wire header, credits, PAUSE/PAUSE_ACK, HELLO/RESUME private data, replay) is
