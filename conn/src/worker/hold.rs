@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use rdmamig_proto::text::error_chain;
 
 use super::link::Pause;
-use super::setup::AttemptError;
 use super::state::Phase;
 use super::Worker;
 use crate::control::ControlError;
@@ -272,14 +271,14 @@ impl Worker {
                 if self.peer.is_some() && now >= self.next_attempt {
                     match self.attempt(true).await {
                         Ok(()) => {}
-                        Err(AttemptError {
-                            refused: Some(reason),
-                            ..
-                        }) => self.fail(Failure::ResumeRefused(reason)),
-                        Err(e) => {
-                            self.last_error = e.msg;
-                            self.next_attempt = Instant::now() + self.sh.opts.reconnect_interval;
-                        }
+                        Err(e) => match e.refused() {
+                            Some(reason) => self.fail(Failure::ResumeRefused(reason)),
+                            None => {
+                                self.last_error = e.text();
+                                self.next_attempt =
+                                    Instant::now() + self.sh.opts.reconnect_interval;
+                            }
+                        },
                     }
                 }
             }

@@ -4,19 +4,21 @@
 //! whether retrying can help.
 
 use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::ConnectionState;
 use rdmamig_proto::text::error_chain;
+use thiserror::Error;
 
 use super::link::{build_endpoint, Endpoint, Link, EXTRA_SEND_SLOTS, RESERVE, SIGNAL_EVERY};
-use super::state::{transition, Phase};
+use super::state::{transition, InvalidTransition, Phase};
 use super::{bridge_ready, clear, Start, Worker};
 use crate::credits::{Credits, StarvedProbe};
 use crate::error::ConnError;
 use crate::failure::{Failure, LinkEvent};
 use crate::sendq::SendSlots;
-use crate::wire::{Accept, Hello, PrivateData, Reject, RejectReason};
+use crate::wire::{Accept, Hello, PrivateData, Reject, RejectReason, WireError};
 use rdmamig_verbs::watch;
 use rdmamig_verbs::{CmEvent, CmEventKind, CmId, IdKey, VerbsError};
 
@@ -28,23 +30,96 @@ pub(super) const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
 /// How often a sender that waits for credits with nothing in flight probes its peer.
 pub(super) const STARVED_PROBE: Duration = Duration::from_secs(1);
 
-/// Why a connect attempt failed.
-pub(super) struct AttemptError {
-    /// The peer refused for good (retrying cannot help).
-    pub(super) refused: Option<RejectReason>,
-    pub(super) msg: String,
+/// Why a connect, reconnect or accept attempt failed. Its chain (`error_chain`) is the text
+/// the connection keeps as the last attempt's error.
+#[derive(Debug, Error)]
+pub(super) enum AttemptError {
+    /// A verbs or rdma_cm call failed.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// The passive side has no peer address to connect to.
+    #[error("no peer address")]
+    NoPeer,
+    /// The step's CM event did not come in time.
+    #[error("no CM event within {timeout:?}")]
+    NoEvent {
+        /// The wait.
+        timeout: Duration,
+    },
+    /// Address resolution ended in another event.
+    #[error("address resolution: {kind:?} ({status})")]
+    AddrResolution {
+        /// The event.
+        kind: CmEventKind,
+        /// Its status.
+        status: i32,
+    },
+    /// Route resolution ended in another event.
+    #[error("route resolution: {kind:?} ({status})")]
+    RouteResolution {
+        /// The event.
+        kind: CmEventKind,
+        /// Its status.
+        status: i32,
+    },
+    /// The peer accepted with something else than an ACCEPT of this connection.
+    #[error("the peer accepted with an unexpected reply: {reply:?}")]
+    UnexpectedAccept {
+        /// The reply as decoded.
+        reply: Result<PrivateData, WireError>,
+    },
+    /// The peer rejected the connect request with a REJECT record.
+    #[error("rejected by the peer: {0:?}")]
+    Rejected(RejectReason),
+    /// A reject without a record: no listener (or not ours) at the address.
+    #[error("rejected (no listener at {peer}?), status {status}")]
+    RejectedBare {
+        /// The peer address.
+        peer: SocketAddr,
+        /// The event's status.
+        status: i32,
+    },
+    /// The connect ended in another event than ESTABLISHED or REJECTED.
+    #[error("connect: {kind:?} ({status})")]
+    Connect {
+        /// The event.
+        kind: CmEventKind,
+        /// Its status.
+        status: i32,
+    },
+    /// The accept ended in another event than ESTABLISHED.
+    #[error("accept: {kind:?} ({status})")]
+    Accept {
+        /// The event.
+        kind: CmEventKind,
+        /// Its status.
+        status: i32,
+    },
+    /// The runtime could not watch the new QP's completion channel.
+    #[error("watching the completion channel")]
+    Watch(#[source] std::io::Error),
+    /// The connection's state machine refused the new link (the connection has ended).
+    #[error(transparent)]
+    Invalid(InvalidTransition),
 }
 
-pub(super) fn transient(msg: impl Into<String>) -> AttemptError {
-    AttemptError {
-        refused: None,
-        msg: msg.into(),
+impl AttemptError {
+    /// The reason when the peer refused for good (retrying cannot help).
+    pub(super) fn refused(&self) -> Option<RejectReason> {
+        match self {
+            AttemptError::UnexpectedAccept { .. } => Some(RejectReason::Other),
+            AttemptError::Rejected(
+                reason @ (RejectReason::UnknownConnection
+                | RejectReason::BadToken
+                | RejectReason::Gone),
+            ) => Some(*reason),
+            _ => None,
+        }
     }
-}
 
-impl From<VerbsError> for AttemptError {
-    fn from(e: VerbsError) -> Self {
-        transient(error_chain(&e))
+    /// The attempt's error with its causes, as the connection reports it.
+    pub(super) fn text(&self) -> String {
+        error_chain(self)
     }
 }
 
@@ -69,22 +144,22 @@ impl Worker {
                             }
                             return;
                         }
-                        Err(e) if e.refused.is_some() || Instant::now() >= deadline => {
-                            let err = if let Some(reason) = e.refused {
+                        Err(e) if e.refused().is_some() || Instant::now() >= deadline => {
+                            let err = if let Some(reason) = e.refused() {
                                 ConnError::Rejected { peer, reason }
                             } else {
                                 ConnError::ConnectTimedOut {
                                     peer,
                                     after: self.sh.opts.connect_timeout,
-                                    last: e.msg.clone(),
+                                    last: e.text(),
                                 }
                             };
                             let _ = ready.send(Err(err));
-                            self.fail(Failure::Setup(format!("connect: {}", e.msg)));
+                            self.fail(Failure::Setup(format!("connect: {}", e.text())));
                             return;
                         }
                         Err(e) => {
-                            self.last_error = e.msg;
+                            self.last_error = e.text();
                             tokio::time::sleep(self.sh.opts.reconnect_interval).await;
                         }
                     }
@@ -96,7 +171,7 @@ impl Worker {
                 on_ready,
             } => match self.accept_on(id, &hello).await {
                 Ok(()) => on_ready(self.sh.clone()),
-                Err(e) => self.fail(Failure::Setup(format!("accept: {}", e.msg))),
+                Err(e) => self.fail(Failure::Setup(format!("accept: {}", e.text()))),
             },
         }
     }
@@ -123,8 +198,9 @@ impl Worker {
         match self.accept_on(id, &hello).await {
             Ok(()) => {}
             Err(e) => {
-                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %e.msg, "resume accept failed");
-                self.last_error = e.msg;
+                let text = e.text();
+                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %text, "resume accept failed");
+                self.last_error = text;
             }
         }
     }
@@ -159,7 +235,7 @@ impl Worker {
                     clear(taken);
                 }
                 () = tokio::time::sleep_until(deadline) => {
-                    return Err(transient(format!("no CM event within {timeout:?}")));
+                    return Err(AttemptError::NoEvent { timeout });
                 }
             }
         }
@@ -181,7 +257,7 @@ impl Worker {
     }
 
     pub(super) async fn attempt(&mut self, resume: bool) -> Result<(), AttemptError> {
-        let peer = self.peer.ok_or_else(|| transient("no peer address"))?;
+        let peer = self.peer.ok_or(AttemptError::NoPeer)?;
         self.forget_released_ids();
         let id = CmId::create(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
@@ -190,20 +266,20 @@ impl Worker {
             .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
             .await?;
         if ev.kind != CmEventKind::AddrResolved {
-            return Err(transient(format!(
-                "address resolution: {:?} ({})",
-                ev.kind, ev.status
-            )));
+            return Err(AttemptError::AddrResolution {
+                kind: ev.kind,
+                status: ev.status,
+            });
         }
         id.resolve_route(RESOLVE_TIMEOUT)?;
         let ev = self
             .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
             .await?;
         if ev.kind != CmEventKind::RouteResolved {
-            return Err(transient(format!(
-                "route resolution: {:?} ({})",
-                ev.kind, ev.status
-            )));
+            return Err(AttemptError::RouteResolution {
+                kind: ev.kind,
+                status: ev.status,
+            });
         }
         let ep = build_endpoint(id, self.depth(), self.slot)?;
         let last_received = self.sh.lock().last_received;
@@ -229,28 +305,19 @@ impl Worker {
                 Ok(PrivateData::Accept(a)) if a.conn_id == self.sh.id => {
                     self.install(ep, a.credits as u64, a.last_received)
                 }
-                other => Err(AttemptError {
-                    refused: Some(RejectReason::Other),
-                    msg: format!("the peer accepted with an unexpected reply: {other:?}"),
-                }),
+                reply => Err(AttemptError::UnexpectedAccept { reply }),
             },
             CmEventKind::Rejected => match PrivateData::decode(&ev.private_data) {
-                Ok(PrivateData::Reject(r)) => Err(AttemptError {
-                    refused: matches!(
-                        r.reason,
-                        RejectReason::UnknownConnection
-                            | RejectReason::BadToken
-                            | RejectReason::Gone
-                    )
-                    .then_some(r.reason),
-                    msg: format!("rejected by the peer: {:?}", r.reason),
+                Ok(PrivateData::Reject(r)) => Err(AttemptError::Rejected(r.reason)),
+                _ => Err(AttemptError::RejectedBare {
+                    peer,
+                    status: ev.status,
                 }),
-                _ => Err(transient(format!(
-                    "rejected (no listener at {peer}?), status {}",
-                    ev.status
-                ))),
             },
-            other => Err(transient(format!("connect: {other:?} ({})", ev.status))),
+            kind => Err(AttemptError::Connect {
+                kind,
+                status: ev.status,
+            }),
         }
     }
 
@@ -276,7 +343,10 @@ impl Worker {
         )?;
         let ev = self.wait_for(ep.id.key(), ESTABLISH_TIMEOUT).await?;
         if ev.kind != CmEventKind::Established {
-            return Err(transient(format!("accept: {:?} ({})", ev.kind, ev.status)));
+            return Err(AttemptError::Accept {
+                kind: ev.kind,
+                status: ev.status,
+            });
         }
         self.install(ep, hello.credits as u64, hello.last_received)
     }
@@ -292,10 +362,9 @@ impl Worker {
         // that ended meanwhile (a close or the peer's CLOSE while the QP was set up) drops it.
         if let Err(invalid) = transition(self.phase, Phase::Up) {
             self.refused(invalid);
-            return Err(transient(invalid.to_string()));
+            return Err(AttemptError::Invalid(invalid));
         }
-        let comp = watch(ep.comp.clone())
-            .map_err(|e| transient(format!("watching the completion channel: {e}")))?;
+        let comp = watch(ep.comp.clone()).map_err(AttemptError::Watch)?;
         let local = ep
             .id
             .local_addr()
@@ -355,5 +424,38 @@ impl Worker {
             "link established"
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_final_refusal_stops_the_retries() {
+        use RejectReason::*;
+        for (reason, final_) in [
+            (UnknownConnection, true),
+            (BadToken, true),
+            (Gone, true),
+            (Malformed, false),
+            (Other, false),
+            (Busy, false),
+        ] {
+            let refused = AttemptError::Rejected(reason).refused();
+            assert_eq!(refused, final_.then_some(reason), "{reason:?}");
+        }
+        let odd = AttemptError::UnexpectedAccept {
+            reply: Err(WireError::Incomplete { needed: 4 }),
+        };
+        assert_eq!(odd.refused(), Some(Other));
+        assert_eq!(AttemptError::NoPeer.refused(), None);
+        assert_eq!(
+            AttemptError::NoEvent {
+                timeout: Duration::from_secs(3)
+            }
+            .text(),
+            "no CM event within 3s"
+        );
     }
 }
