@@ -42,7 +42,7 @@
 //! # }
 //! ```
 //!
-//! One-sided RDMA WRITE and READ (see the [`crate::conn`] docs for what they promise across
+//! One-sided RDMA WRITE and READ (see the crate docs for what they promise across
 //! moves) have async forms too; each is the blocking call's check and queueing with an
 //! awaited wait, under the same deadline and with the same errors. A READ's data is awaited,
 //! never waited for on a runtime thread. The owner of a buffer exposes it; the writer takes

@@ -38,7 +38,7 @@ pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(2);
 const TX_LIMIT: usize = 256 * 1024;
 
 /// What failed in setting up, reading or writing a bridge. Each message names one step; the
-/// cause is its `source` (logs and [`ConnError::Bridge`](crate::ConnError::Bridge) print the
+/// cause is its `source` (logs and `ConnError::Bridge` print the
 /// whole chain, `a: b`).
 #[derive(Debug, Error)]
 pub enum BridgeError {

@@ -1,6 +1,6 @@
 //! [`ControlError`]: why a quiesce, resume or close of a connection (or a listener's quiesce or
 //! resume) did not complete. The worker answers a request with it, the registry reports it to
-//! the agent as its text, and [`ConnError::Control`](crate::ConnError::Control) carries it to
+//! the agent as its text, and `ConnError::Control` carries it to
 //! an application that quiesced, resumed or closed a connection itself. A leaf: it names only
 //! the connection's failure types.
 

@@ -360,7 +360,7 @@ impl Ops {
     }
 }
 
-/// One-sided state shared by the application and the worker (inside [`State`](crate::shared::State)).
+/// One-sided state shared by the application and the worker (inside the shared `State`).
 #[derive(Default)]
 pub(crate) struct OneSided {
     /// This side's exposures: handle -> (memory, access bits).

@@ -1,6 +1,6 @@
 //! The library's side of the agent socket.
 //!
-//! Every [`crate::Connection`] and [`crate::Listener`] of the process registers
+//! Every `Connection` and `Listener` of the process registers
 //! here. On first registration a background thread connects to the agent's UNIX socket
 //! ([`rdmamig_proto::app::DEFAULT_AGENT_SOCKET`], or `$RDMAMIG_AGENT_SOCKET`, or the path set
 //! with [`set_agent_socket`]); while there is no agent it retries quietly every second, so the

@@ -1,7 +1,7 @@
 //! What the application's handle and the connection's worker share: the [`State`] behind one
 //! mutex (outbox, inbox, sequence numbers, failure, counters), the wake-ups both ways, and the
 //! command queue to the worker ([`Command`]). The worker module and the handle modules
-//! ([`Connection`](crate::Connection), [`AsyncConnection`](crate::AsyncConnection), the
+//! (`Connection`, `AsyncConnection`, the
 //! listener) all build on this one, and it on none of them.
 
 use std::collections::VecDeque;

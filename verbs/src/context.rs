@@ -3,7 +3,7 @@
 //!
 //! librdmacm keeps one context open per device, shared by every id of the process on it,
 //! and an open context blocks the device's hot-unplug. The PDs allocated on a context are
-//! counted here ([`context_in_use`], called by the [`ib`](crate::ib) wrappers) so that a
+//! counted here ([`context_in_use`], called by the `ib` wrappers) so that a
 //! refresh never releases a context that still has objects on it.
 
 use std::sync::Mutex;

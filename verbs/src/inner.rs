@@ -1,7 +1,7 @@
 //! The raw librdmacm handles shared by both wrapper modules: an event channel and a cm id.
 //!
-//! A [`cm`](crate::cm) id owns its handle, and every device object allocated through it
-//! ([`ib`](crate::ib): PD, completion channel) keeps the handle alive, so librdmacm's reference
+//! A `cm` id owns its handle, and every device object allocated through it
+//! (`ib`: PD, completion channel) keeps the handle alive, so librdmacm's reference
 //! on the device context outlives them. Both sides name these types; they live here, in a
 //! leaf, so that neither wrapper module imports the other for them.
 

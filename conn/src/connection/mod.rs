@@ -42,7 +42,7 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connects to a [`Listener`](crate::Listener) at `peer`, retrying until `opts.connect_timeout`. The
+    /// Connects to a `Listener` at `peer`, retrying until `opts.connect_timeout`. The
     /// connection's worker runs on a thread of its own.
     pub fn connect(peer: SocketAddr, opts: &ConnectOptions) -> Result<Connection, ConnError> {
         let (shared, ready) = Self::start_connect(peer, opts, None)?;
