@@ -42,7 +42,7 @@
 //! # }
 //! ```
 //!
-//! One-sided RDMA WRITE and READ (see the [`crate::conn`] docs for what they promise across
+//! One-sided RDMA WRITE and READ (see the crate docs for what they promise across
 //! moves) have async forms too; each is the blocking call's check and queueing with an
 //! awaited wait, under the same deadline and with the same errors. A READ's data is awaited,
 //! never waited for on a runtime thread. The owner of a buffer exposes it; the writer takes
@@ -88,11 +88,13 @@ use rdmamig_proto::ConnectionId;
 
 use tokio::runtime::Handle;
 
-use super::reply;
-use super::{
-    Access, Command, ConnError, ConnStats, ConnectOptions, Connection, Exposed, Listener,
-    RemoteBuffer, State,
-};
+use crate::connection::Connection;
+use crate::error::ConnError;
+use crate::listener::Listener;
+use crate::onesided::{Access, Exposed, RemoteBuffer};
+use crate::options::ConnectOptions;
+use crate::reply;
+use crate::shared::{Command, ConnStats, State};
 
 /// A migratable connection with an async API; see the module docs.
 #[derive(Debug, Clone)]

@@ -23,17 +23,155 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
+use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::timeout;
 
-use super::wire::{
-    Accept, Header, Hello, Kind, PrivateData, Reject, HEADER_LEN, MAX_CONNECT_PRIVATE_DATA,
+use crate::wire::{
+    Accept, Header, Hello, Kind, PrivateData, Reject, RejectReason, WireError, HEADER_LEN,
+    MAX_CONNECT_PRIVATE_DATA,
 };
 
 /// Bound of each set-up step (TCP connect, the greeting, the answer).
 pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// Unsent bytes a bridge holds before its sender waits; TCP's window does the rest.
 const TX_LIMIT: usize = 256 * 1024;
+
+/// What failed in setting up, reading or writing a bridge. Each message names one step; the
+/// cause is its `source` (logs and `ConnError::Bridge` print the
+/// whole chain, `a: b`).
+#[derive(Debug, Error)]
+pub enum BridgeError {
+    /// The listener could not listen for bridges on its bridge address.
+    #[error("listening")]
+    Listen(#[source] std::io::Error),
+    /// The passive side refused the bridge.
+    #[error("refused: {0:?}")]
+    Refused(RejectReason),
+    /// The passive side answered with something else than an ACCEPT of this connection.
+    #[error("unexpected answer: {0:?}")]
+    UnexpectedAnswer(PrivateData),
+    /// Making the socket blocking or not, or setting its timeouts or TCP_NODELAY, failed.
+    #[error("configuring the socket")]
+    Configure(#[source] std::io::Error),
+    /// The greeting took longer than the set-up timeout (2 s).
+    #[error("the BRIDGE record did not arrive within {SETUP_TIMEOUT:?}")]
+    GreetingLate,
+    /// The stream ended before the whole greeting.
+    #[error("the stream ended inside the BRIDGE record")]
+    GreetingCut,
+    /// Reading the greeting failed.
+    #[error("reading the BRIDGE record")]
+    ReadGreeting(#[source] std::io::Error),
+    /// The greeting was a record of another kind.
+    #[error("expected a BRIDGE record, got {0:?}")]
+    NotAGreeting(PrivateData),
+    /// The greeting did not decode.
+    #[error(transparent)]
+    BadGreeting(WireError),
+    /// The accepted stream has no peer address.
+    #[error("the stream has no peer")]
+    NoPeer(#[source] std::io::Error),
+    /// Writing the ACCEPT to the active side failed.
+    #[error("answering {peer}")]
+    Answer {
+        /// The active side.
+        peer: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A set-up step of the active side timed out.
+    #[error("{step}: timed out after {SETUP_TIMEOUT:?}")]
+    StepTimedOut {
+        /// connecting, sending the greeting or waiting for the answer.
+        step: &'static str,
+    },
+    /// The TCP connect failed.
+    #[error("connecting to {peer}")]
+    Connect {
+        /// The passive side's bridge address.
+        peer: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Sending the greeting failed.
+    #[error("sending the greeting")]
+    SendGreeting(#[source] std::io::Error),
+    /// Reading the answer failed.
+    #[error("waiting for the answer")]
+    ReadAnswer(#[source] std::io::Error),
+    /// The answer did not decode.
+    #[error("the answer")]
+    BadAnswer(#[source] WireError),
+    /// The runtime could not watch the socket.
+    #[error("watching the bridge socket")]
+    Watch(#[source] std::io::Error),
+    /// The socket accepted no bytes.
+    #[error("the socket took no bytes")]
+    WriteZero,
+    /// Writing to the socket failed.
+    #[error("writing to {peer}")]
+    Write {
+        /// The other side.
+        peer: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The other side closed the stream.
+    #[error("{peer} closed the bridge")]
+    Closed {
+        /// The other side.
+        peer: SocketAddr,
+    },
+    /// Reading from the socket failed.
+    #[error("reading from {peer}")]
+    Read {
+        /// The other side.
+        peer: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A frame from the other side was refused.
+    #[error("from {peer}")]
+    Frame {
+        /// The other side.
+        peer: SocketAddr,
+        /// What is wrong with the frame.
+        #[source]
+        source: FrameError,
+    },
+}
+
+/// A frame that does not belong on the bridge (it ends the bridge, not the connection).
+#[derive(Debug, Error)]
+pub enum FrameError {
+    /// The header announces a payload above `max_message`.
+    #[error("a frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// The announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The header does not decode.
+    #[error(transparent)]
+    Malformed(WireError),
+    /// Only DATA and ACK travel on the bridge.
+    #[error("{0:?} does not belong on the bridge")]
+    WrongKind(Kind),
+    /// A DATA frame skipped sequence numbers.
+    #[error("received sequence {seq} on the bridge while expecting {expected}")]
+    OutOfOrder {
+        /// The sequence number received.
+        seq: u64,
+        /// The one expected.
+        expected: u64,
+    },
+}
 
 /// One open bridge (non-blocking).
 pub(crate) struct Bridge {
@@ -60,46 +198,45 @@ impl Bridge {
         peer: SocketAddr,
         hello: Hello,
         max_payload: usize,
-    ) -> Result<(Bridge, u64), String> {
+    ) -> Result<(Bridge, u64), BridgeError> {
         match introduce(peer, &padded(PrivateData::Bridge(hello))).await? {
             (stream, PrivateData::Accept(a)) if a.conn_id == hello.conn_id => {
                 Ok((Bridge::new(stream, peer, max_payload)?, a.last_received))
             }
-            (_, PrivateData::Reject(r)) => Err(format!("refused: {:?}", r.reason)),
-            (_, other) => Err(format!("unexpected answer: {other:?}")),
+            (_, PrivateData::Reject(r)) => Err(BridgeError::Refused(r.reason)),
+            (_, other) => Err(BridgeError::UnexpectedAnswer(other)),
         }
     }
 
     /// The listener's half of the set-up: reads the BRIDGE record of a new stream, all of
     /// it within [`SETUP_TIMEOUT`] (a client sending a byte at a time gets no longer).
-    pub(crate) fn read_greeting(stream: &mut TcpStream) -> Result<Hello, String> {
-        set_blocking_with_timeout(stream).map_err(|e| format!("configuring the socket: {e}"))?;
+    pub(crate) fn read_greeting(stream: &mut TcpStream) -> Result<Hello, BridgeError> {
+        set_blocking_with_timeout(stream).map_err(BridgeError::Configure)?;
         let deadline = std::time::Instant::now() + SETUP_TIMEOUT;
         let mut greeting = [0u8; MAX_CONNECT_PRIVATE_DATA];
         let mut got = 0;
         while got < greeting.len() {
-            let late = || format!("the BRIDGE record did not arrive within {SETUP_TIMEOUT:?}");
             let left = deadline
                 .checked_duration_since(std::time::Instant::now())
                 .filter(|left| !left.is_zero())
-                .ok_or_else(late)?;
+                .ok_or(BridgeError::GreetingLate)?;
             stream
                 .set_read_timeout(Some(left))
-                .map_err(|e| format!("configuring the socket: {e}"))?;
+                .map_err(BridgeError::Configure)?;
             match stream.read(&mut greeting[got..]) {
-                Ok(0) => return Err("the stream ended inside the BRIDGE record".into()),
+                Ok(0) => return Err(BridgeError::GreetingCut),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    return Err(late())
+                    return Err(BridgeError::GreetingLate)
                 }
-                Err(e) => return Err(format!("reading the BRIDGE record: {e}")),
+                Err(e) => return Err(BridgeError::ReadGreeting(e)),
             }
         }
         match PrivateData::decode(&greeting) {
             Ok(PrivateData::Bridge(hello)) => Ok(hello),
-            Ok(other) => Err(format!("expected a BRIDGE record, got {other:?}")),
-            Err(e) => Err(e.to_string()),
+            Ok(other) => Err(BridgeError::NotAGreeting(other)),
+            Err(e) => Err(BridgeError::BadGreeting(e)),
         }
     }
 
@@ -108,13 +245,11 @@ impl Bridge {
         mut stream: TcpStream,
         accept: Accept,
         max_payload: usize,
-    ) -> Result<Bridge, String> {
-        let peer = stream
-            .peer_addr()
-            .map_err(|e| format!("the stream has no peer: {e}"))?;
+    ) -> Result<Bridge, BridgeError> {
+        let peer = stream.peer_addr().map_err(BridgeError::NoPeer)?;
         stream
             .write_all(&padded(PrivateData::Accept(accept)))
-            .map_err(|e| format!("answering {peer}: {e}"))?;
+            .map_err(|source| BridgeError::Answer { peer, source })?;
         Bridge::new(stream, peer, max_payload)
     }
 
@@ -123,11 +258,11 @@ impl Bridge {
         let _ = stream.write_all(&padded(PrivateData::Reject(reject)));
     }
 
-    fn new(stream: TcpStream, peer: SocketAddr, max_payload: usize) -> Result<Bridge, String> {
+    fn new(stream: TcpStream, peer: SocketAddr, max_payload: usize) -> Result<Bridge, BridgeError> {
         stream
             .set_nonblocking(true)
             .and_then(|()| stream.set_nodelay(true))
-            .map_err(|e| format!("configuring the socket: {e}"))?;
+            .map_err(BridgeError::Configure)?;
         Ok(Bridge {
             stream,
             peer,
@@ -175,14 +310,19 @@ impl Bridge {
     }
 
     /// Writes what the socket takes now.
-    pub(crate) fn flush(&mut self) -> Result<(), String> {
+    pub(crate) fn flush(&mut self) -> Result<(), BridgeError> {
         while self.wants_write() {
             match self.stream.write(&self.tx[self.tx_written..]) {
-                Ok(0) => return Err("the socket took no bytes".into()),
+                Ok(0) => return Err(BridgeError::WriteZero),
                 Ok(n) => self.tx_written += n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("writing to {}: {e}", self.peer)),
+                Err(source) => {
+                    return Err(BridgeError::Write {
+                        peer: self.peer,
+                        source,
+                    })
+                }
             }
         }
         if self.tx_written == self.tx.len() {
@@ -197,19 +337,20 @@ impl Bridge {
     /// bridge.
     pub(crate) fn receive(
         &mut self,
-        mut on_frame: impl FnMut(Header, &[u8]) -> Result<(), String>,
-    ) -> Result<(), String> {
+        mut on_frame: impl FnMut(Header, &[u8]) -> Result<(), FrameError>,
+    ) -> Result<(), BridgeError> {
+        let peer = self.peer;
         let mut chunk = [0u8; 64 * 1024];
         loop {
             match self.stream.read(&mut chunk) {
-                Ok(0) => return Err(format!("{} closed the bridge", self.peer)),
+                Ok(0) => return Err(BridgeError::Closed { peer }),
                 Ok(n) => self.rx.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("reading from {}: {e}", self.peer)),
+                Err(source) => return Err(BridgeError::Read { peer, source }),
             }
             let used = take_frames(&self.rx, self.max_payload, &mut on_frame)
-                .map_err(|e| format!("from {}: {e}", self.peer))?;
+                .map_err(|source| BridgeError::Frame { peer, source })?;
             self.rx.drain(..used);
         }
         Ok(())
@@ -234,24 +375,25 @@ unsafe impl rdmamig_verbs::OwnsFd for Bridge {}
 fn take_frames(
     buf: &[u8],
     max_payload: usize,
-    on_frame: &mut impl FnMut(Header, &[u8]) -> Result<(), String>,
-) -> Result<usize, String> {
+    on_frame: &mut impl FnMut(Header, &[u8]) -> Result<(), FrameError>,
+) -> Result<usize, FrameError> {
     let mut used = 0;
     while buf.len() - used >= HEADER_LEN {
         let rest = &buf[used..];
         let len = u32::from_be_bytes([rest[4], rest[5], rest[6], rest[7]]) as usize;
         if len > max_payload {
-            return Err(format!(
-                "a frame of {len} bytes exceeds the limit of {max_payload}"
-            ));
+            return Err(FrameError::TooLarge {
+                len,
+                max: max_payload,
+            });
         }
         if rest.len() < HEADER_LEN + len {
             break;
         }
         let (header, payload) =
-            Header::decode(&rest[..HEADER_LEN + len]).map_err(|e| e.to_string())?;
+            Header::decode(&rest[..HEADER_LEN + len]).map_err(FrameError::Malformed)?;
         if !matches!(header.kind, Kind::Data | Kind::Ack) {
-            return Err(format!("{:?} does not belong on the bridge", header.kind));
+            return Err(FrameError::WrongKind(header.kind));
         }
         on_frame(header, payload)?;
         used += HEADER_LEN + len;
@@ -265,28 +407,26 @@ fn take_frames(
 pub(crate) async fn introduce(
     peer: SocketAddr,
     greeting: &[u8; MAX_CONNECT_PRIVATE_DATA],
-) -> Result<(TcpStream, PrivateData), String> {
-    let step = |what: &'static str| {
-        move |_: tokio::time::error::Elapsed| format!("{what}: timed out after {SETUP_TIMEOUT:?}")
+) -> Result<(TcpStream, PrivateData), BridgeError> {
+    let step = |step: &'static str| {
+        move |_: tokio::time::error::Elapsed| BridgeError::StepTimedOut { step }
     };
     let mut stream = timeout(SETUP_TIMEOUT, tokio::net::TcpStream::connect(peer))
         .await
         .map_err(step("connecting"))?
-        .map_err(|e| format!("connecting to {peer}: {e}"))?;
+        .map_err(|source| BridgeError::Connect { peer, source })?;
     timeout(SETUP_TIMEOUT, stream.write_all(greeting))
         .await
         .map_err(step("sending the greeting"))?
-        .map_err(|e| format!("sending the greeting: {e}"))?;
+        .map_err(BridgeError::SendGreeting)?;
     let mut answer = [0u8; MAX_CONNECT_PRIVATE_DATA];
     timeout(SETUP_TIMEOUT, stream.read_exact(&mut answer))
         .await
         .map_err(step("waiting for the answer"))?
-        .map_err(|e| format!("waiting for the answer: {e}"))?;
-    let answer = PrivateData::decode(&answer).map_err(|e| format!("the answer: {e}"))?;
+        .map_err(BridgeError::ReadAnswer)?;
+    let answer = PrivateData::decode(&answer).map_err(BridgeError::BadAnswer)?;
     // Out of tokio's reactor, still non-blocking: the worker watches it as a bridge.
-    let stream = stream
-        .into_std()
-        .map_err(|e| format!("configuring the socket: {e}"))?;
+    let stream = stream.into_std().map_err(BridgeError::Configure)?;
     Ok((stream, answer))
 }
 
@@ -309,6 +449,7 @@ pub(crate) fn padded(record: PrivateData) -> [u8; MAX_CONNECT_PRIVATE_DATA] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdmamig_proto::text::error_chain;
     use std::net::TcpListener;
 
     const MAX: usize = 4096;
@@ -323,7 +464,7 @@ mod tests {
     }
 
     /// Opens a bridge to `addr` as a worker would (on a runtime of its own here).
-    fn open(addr: std::net::SocketAddr) -> Result<(Bridge, u64), String> {
+    fn open(addr: std::net::SocketAddr) -> Result<(Bridge, u64), BridgeError> {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -369,7 +510,7 @@ mod tests {
     }
 
     /// Receives until `want` frames arrived or the bridge failed.
-    fn collect(bridge: &mut Bridge, want: usize) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    fn collect(bridge: &mut Bridge, want: usize) -> Result<Vec<(u64, Vec<u8>)>, BridgeError> {
         let mut got = Vec::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while got.len() < want && std::time::Instant::now() < deadline {
@@ -403,7 +544,7 @@ mod tests {
         let mut header = frame(Kind::Data, 1, b"");
         header[4..8].copy_from_slice(&((MAX + 1) as u32).to_be_bytes());
         far.write_all(&header).unwrap();
-        let err = collect(&mut bridge, 1).unwrap_err();
+        let err = error_chain(&collect(&mut bridge, 1).unwrap_err());
         assert!(err.contains("exceeds the limit"), "{err}");
     }
 
@@ -411,7 +552,7 @@ mod tests {
     fn control_messages_other_than_ack_are_refused() {
         let (mut bridge, mut far) = pair();
         far.write_all(&frame(Kind::Pause, 0, b"")).unwrap();
-        let err = collect(&mut bridge, 1).unwrap_err();
+        let err = error_chain(&collect(&mut bridge, 1).unwrap_err());
         assert!(err.contains("does not belong on the bridge"), "{err}");
     }
 
@@ -443,11 +584,11 @@ mod tests {
                 stream,
                 Reject {
                     conn_id: hello.conn_id,
-                    reason: super::super::wire::RejectReason::BadToken,
+                    reason: RejectReason::BadToken,
                 },
             );
         });
-        let err = open(addr).err().unwrap();
+        let err = error_chain(&open(addr).err().unwrap());
         server.join().unwrap();
         assert!(err.contains("BadToken"), "{err}");
     }
@@ -506,7 +647,7 @@ mod tests {
         });
         let (mut stream, _) = listener.accept().unwrap();
         let start = std::time::Instant::now();
-        let err = Bridge::read_greeting(&mut stream).unwrap_err();
+        let err = error_chain(&Bridge::read_greeting(&mut stream).unwrap_err());
         let took = start.elapsed();
         assert!(err.contains("did not arrive within"), "{err}");
         assert!(
@@ -529,7 +670,7 @@ mod tests {
             stream
         });
         let (mut stream, _) = listener.accept().unwrap();
-        let err = Bridge::read_greeting(&mut stream).unwrap_err();
+        let err = error_chain(&Bridge::read_greeting(&mut stream).unwrap_err());
         drop(client.join().unwrap());
         assert!(err.contains("expected a BRIDGE record"), "{err}");
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::wire::RejectReason;
+use crate::wire::RejectReason;
 
 /// Something that broke the current link (the connection itself may recover).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -66,6 +66,16 @@ pub enum Failure {
     /// The first connect or accept did not complete.
     #[error("setting up the connection failed: {0}")]
     Setup(String),
+    /// The connection's worker asked for a state change its state machine does not allow (a
+    /// bug in the library): the connection fails rather than go on in a state it cannot be
+    /// in.
+    #[error("the connection's worker made an invalid move from {from} to {to}")]
+    InvalidTransition {
+        /// The state it was in.
+        from: &'static str,
+        /// The state it asked for.
+        to: &'static str,
+    },
 }
 
 fn describe_last(cause: &Option<LinkEvent>, last_attempt: &Option<String>) -> String {

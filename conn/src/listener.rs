@@ -19,21 +19,26 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use rdmamig_proto::agent::{ConnectionInfo, Role};
+use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
 
-use super::bridge::Bridge;
-use super::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
-use super::worker::{self, Start};
-use super::{Command, ConnError, ConnShared, ConnectOptions, Connection};
+use crate::bridge::{Bridge, BridgeError};
+use crate::connection::Connection;
+use crate::control::ControlError;
+use crate::error::ConnError;
+use crate::options::ConnectOptions;
 use crate::registry::{self, Migratable};
+use crate::shared::{Command, ConnShared};
+use crate::wire::{token_eq, Hello, PrivateData, Reject, RejectReason};
+use crate::worker::{self, Start};
 use rdmamig_verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChannel};
 
 const BACKLOG: i32 = 64;
 const RELISTEN_INTERVAL: Duration = Duration::from_millis(100);
 
 enum ListenerCommand {
-    Quiesce(mpsc::Sender<Result<(), String>>),
-    Resume(Instant, mpsc::Sender<Result<(), String>>),
+    Quiesce(mpsc::Sender<Result<(), ControlError>>),
+    Resume(Instant, mpsc::Sender<Result<(), ControlError>>),
 }
 
 pub(crate) struct ListenerShared {
@@ -58,17 +63,17 @@ impl ListenerShared {
     fn request(
         &self,
         cmd: ListenerCommand,
-        rx: mpsc::Receiver<Result<(), String>>,
+        rx: mpsc::Receiver<Result<(), ControlError>>,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), ControlError> {
         self.commands
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .send(cmd)
-            .map_err(|_| "the listener thread has stopped".to_string())?;
+            .map_err(|_| ControlError::ListenerStopped)?;
         let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
         rx.recv_timeout(wait)
-            .map_err(|_| "the listener did not answer in time".to_string())?
+            .map_err(|_| ControlError::ListenerNoAnswer)?
     }
 }
 
@@ -78,12 +83,12 @@ impl Migratable for ListenerShared {
     }
 
     /// The TCP bridge listener stays: it holds no device.
-    fn quiesce(&self, deadline: Instant, _bridge: bool) -> Result<(), String> {
+    fn quiesce(&self, deadline: Instant, _bridge: bool) -> Result<(), ControlError> {
         let (tx, rx) = mpsc::channel();
         self.request(ListenerCommand::Quiesce(tx), rx, deadline)
     }
 
-    fn resume(&self, deadline: Instant) -> Result<(), String> {
+    fn resume(&self, deadline: Instant) -> Result<(), ControlError> {
         let (tx, rx) = mpsc::channel();
         self.request(ListenerCommand::Resume(deadline, tx), rx, deadline)
     }
@@ -137,7 +142,7 @@ impl Listener {
                     .and_then(|l| l.set_nonblocking(true).map(|()| l))
                     .map_err(|e| ConnError::Bridge {
                         addr,
-                        reason: format!("listening: {e}"),
+                        reason: BridgeError::Listen(e),
                     })
             })
             .transpose()?;
@@ -328,7 +333,7 @@ fn route_bridge(mut stream: TcpStream, from: SocketAddr, shared: &ListenerShared
     let hello = match Bridge::read_greeting(&mut stream) {
         Ok(hello) => hello,
         Err(e) => {
-            tracing::warn!(%from, error = %e, "bridge refused");
+            tracing::warn!(%from, error = %error_chain(&e), "bridge refused");
             let reject = Reject {
                 conn_id: 0,
                 reason: RejectReason::Malformed,
@@ -373,7 +378,7 @@ enum Listening {
     /// Lost (device removal) or resuming: re-listen every RELISTEN_INTERVAL.
     Retrying {
         next: Instant,
-        resume: Option<(Instant, mpsc::Sender<Result<(), String>>)>,
+        resume: Option<(Instant, mpsc::Sender<Result<(), ControlError>>)>,
     },
 }
 
@@ -463,11 +468,10 @@ impl ListenerThread {
                         *next = now + RELISTEN_INTERVAL;
                         if resume.as_ref().is_some_and(|(d, _)| now >= *d) {
                             let (_, reply) = resume.take().expect("checked");
-                            let _ = reply.send(Err(format!(
-                                "re-listening on {} failed until the deadline: {}",
-                                self.addr,
-                                worker::error_chain(&e)
-                            )));
+                            let _ = reply.send(Err(ControlError::Relisten {
+                                addr: self.addr,
+                                error: e,
+                            }));
                         }
                     }
                 }
@@ -540,12 +544,7 @@ impl ListenerThread {
         }
     }
 
-    fn new_connection(
-        &mut self,
-        id: CmId,
-        hello: super::wire::Hello,
-        shared: &Arc<ListenerShared>,
-    ) {
+    fn new_connection(&mut self, id: CmId, hello: Hello, shared: &Arc<ListenerShared>) {
         let (conn, rx) = match ConnShared::new(
             hello.conn_id,
             hello.token,

@@ -13,16 +13,58 @@
 //! nothing the first attempt had done (see docs/architecture.md for why, and for the order
 //! of WRITEs and SENDs).
 //!
-//! This file holds the application-facing calls and the pure bookkeeping (range checks, the
-//! peer's map, the operation queue), unit tested below; the worker posts and completes.
+//! This file holds the pure bookkeeping (range checks, the peer's map, the operation queue),
+//! unit tested below; the application-facing calls are in `connection/onesided.rs`, and the
+//! worker posts and completes.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
 
-use super::wire::{RegionEntry, ACCESS_READ, ACCESS_WRITE};
-use super::{ConnError, Connection, State};
+use thiserror::Error;
+
+use crate::error::ConnError;
+use crate::wire::{RegionEntry, ACCESS_READ, ACCESS_WRITE};
 use rdmamig_verbs::{ExposedMemory, RemoteAccess};
+
+/// What the peer's REGIONS records or the completions of one-sided operations got wrong
+/// (each ends the link: a protocol or a local error).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub(crate) enum OneSidedError {
+    /// The peer announced a new buffer beyond [`MAX_BUFFERS`].
+    #[error("the peer announced more than {MAX_BUFFERS} buffers (handle {handle})")]
+    TooManyBuffers {
+        /// The new buffer's handle.
+        handle: u64,
+    },
+    /// The peer announced a buffer again with another size or access.
+    #[error("the peer changed buffer {handle} from {old_len} to {new_len} bytes (access {old_access} to {new_access})")]
+    BufferChanged {
+        /// The buffer's handle.
+        handle: u64,
+        /// Its size before.
+        old_len: u64,
+        /// Its size now.
+        new_len: u64,
+        /// Its access bits before.
+        old_access: u8,
+        /// Its access bits now.
+        new_access: u8,
+    },
+    /// A completion for an operation that is not the oldest queued (RC completes in order).
+    #[error("one-sided completion for operation {id} while {oldest} is the oldest")]
+    OutOfOrder {
+        /// The completed operation.
+        id: u64,
+        /// The oldest queued one.
+        oldest: u64,
+    },
+    /// A completion with no operation queued.
+    #[error("one-sided completion for operation {id} with none queued")]
+    NoneQueued {
+        /// The completed operation.
+        id: u64,
+    },
+}
 
 /// What the peer may do to an exposed buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +78,7 @@ pub enum Access {
 }
 
 impl Access {
-    fn bits(self) -> u8 {
+    pub(crate) fn bits(self) -> u8 {
         match self {
             Access::Write => ACCESS_WRITE,
             Access::Read => ACCESS_READ,
@@ -59,8 +101,8 @@ pub(crate) fn remote_access(bits: u8) -> RemoteAccess {
 /// sent after its writes) that the data is there.
 #[derive(Clone)]
 pub struct Exposed {
-    handle: u64,
-    mem: Arc<ExposedMemory>,
+    pub(crate) handle: u64,
+    pub(crate) mem: Arc<ExposedMemory>,
 }
 
 impl std::fmt::Debug for Exposed {
@@ -117,9 +159,9 @@ impl Exposed {
 /// either side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteBuffer {
-    handle: u64,
-    len: u64,
-    access: u8,
+    pub(crate) handle: u64,
+    pub(crate) len: u64,
+    pub(crate) access: u8,
 }
 
 impl RemoteBuffer {
@@ -181,13 +223,10 @@ pub(crate) const MAX_BUFFERS: usize = 1024;
 
 impl PeerMap {
     /// Takes the records of one REGIONS message.
-    pub(crate) fn update(&mut self, entries: &[RegionEntry]) -> Result<(), String> {
+    pub(crate) fn update(&mut self, entries: &[RegionEntry]) -> Result<(), OneSidedError> {
         for e in entries {
             if !self.buffers.contains_key(&e.handle) && self.buffers.len() >= MAX_BUFFERS {
-                return Err(format!(
-                    "the peer announced more than {MAX_BUFFERS} buffers (handle {})",
-                    e.handle
-                ));
+                return Err(OneSidedError::TooManyBuffers { handle: e.handle });
             }
             let b = RemoteBuffer {
                 handle: e.handle,
@@ -196,10 +235,13 @@ impl PeerMap {
             };
             match self.buffers.get(&e.handle) {
                 Some(old) if *old != b => {
-                    return Err(format!(
-                        "the peer changed buffer {} from {} to {} bytes (access {} to {})",
-                        e.handle, old.len, b.len, old.access, b.access
-                    ))
+                    return Err(OneSidedError::BufferChanged {
+                        handle: e.handle,
+                        old_len: old.len,
+                        new_len: b.len,
+                        old_access: old.access,
+                        new_access: b.access,
+                    })
                 }
                 _ => {
                     self.buffers.insert(e.handle, b);
@@ -304,16 +346,11 @@ impl Ops {
     }
 
     /// Completion of `id`: RC completes in posting order, so it must be the oldest.
-    pub(crate) fn complete(&mut self, id: u64) -> Result<Op, String> {
+    pub(crate) fn complete(&mut self, id: u64) -> Result<Op, OneSidedError> {
         match self.queue.front() {
             Some(op) if op.id == id => Ok(self.queue.pop_front().expect("checked")),
-            Some(op) => Err(format!(
-                "one-sided completion for operation {id} while {} is the oldest",
-                op.id
-            )),
-            None => Err(format!(
-                "one-sided completion for operation {id} with none queued"
-            )),
+            Some(op) => Err(OneSidedError::OutOfOrder { id, oldest: op.id }),
+            None => Err(OneSidedError::NoneQueued { id }),
         }
     }
 
@@ -323,19 +360,7 @@ impl Ops {
     }
 }
 
-/// A READ between its checks and its data. Its reply's sender goes into the queued
-/// operation and nowhere else, so the queue dropping the operation (the connection failed or
-/// closed) ends the wait for the data.
-pub(super) struct PendingRead {
-    handle: u64,
-    offset: u64,
-    len: usize,
-    /// Until queued.
-    reply: Option<mpsc::Sender<Vec<u8>>>,
-    data: mpsc::Receiver<Vec<u8>>,
-}
-
-/// One-sided state shared by the application and the worker (inside [`State`]).
+/// One-sided state shared by the application and the worker (inside the shared `State`).
 #[derive(Default)]
 pub(crate) struct OneSided {
     /// This side's exposures: handle -> (memory, access bits).
@@ -343,265 +368,6 @@ pub(crate) struct OneSided {
     /// The peer's buffers.
     pub(crate) peer: PeerMap,
     pub(crate) ops: Ops,
-}
-
-impl Connection {
-    /// Exposes a new zeroed buffer of `len` bytes to the peer under `handle` (or, with
-    /// `None`, a handle chosen here: see [`Exposed::handle`]). The peer finds it with
-    /// [`Connection::remote`] once this side's next REGIONS message arrived (at once on a
-    /// live link, else after the next reconnect). Does not wait.
-    pub fn expose(
-        &self,
-        handle: Option<u64>,
-        len: usize,
-        access: Access,
-    ) -> Result<Exposed, ConnError> {
-        let mut st = self.shared.lock();
-        self.check_usable(&st, "expose")?;
-        let handle = handle.unwrap_or_else(|| next_handle(&st.onesided.exposed));
-        if st.onesided.exposed.contains_key(&handle) {
-            return Err(ConnError::HandleInUse { handle });
-        }
-        if st.onesided.exposed.len() >= MAX_BUFFERS {
-            return Err(ConnError::TooManyExposed { limit: MAX_BUFFERS });
-        }
-        let mem = Arc::new(ExposedMemory::new(len));
-        st.onesided
-            .exposed
-            .insert(handle, (mem.clone(), access.bits()));
-        drop(st);
-        self.shared.notify_worker();
-        Ok(Exposed { handle, mem })
-    }
-
-    /// The peer's buffer `handle`, waiting up to `timeout` for the peer to expose it
-    /// ([`ConnError::UnknownHandle`] after that). The value stays valid across moves of
-    /// either side.
-    pub fn remote(&self, handle: u64, timeout: Duration) -> Result<RemoteBuffer, ConnError> {
-        let found = self.wait_until(Instant::now() + timeout, |st| self.remote_step(st, handle));
-        found.unwrap_or_else(|| Err(self.unknown_handle(handle, timeout)))
-    }
-
-    /// Queues an RDMA WRITE of `data` into the peer's buffer at `offset` and returns; waits
-    /// up to `send_timeout` while `max_outbox` operations are queued
-    /// ([`ConnError::OneSidedTimedOut`] naming `write` after that). Larger writes are
-    /// split into `max_message`-sized WRITEs. [`Connection::flush_writes`] waits until they
-    /// are done; a message sent after that is delivered after the data is in place.
-    pub fn write(&self, to: &RemoteBuffer, offset: u64, data: &[u8]) -> Result<(), ConnError> {
-        let deadline = Instant::now() + self.shared.opts.send_timeout;
-        for (at, part) in self.write_parts(to, offset, data)? {
-            let queued = self.wait_until(deadline, |st| self.queue_write(st, to, at, part));
-            self.queued("write", self.shared.opts.send_timeout, queued)?;
-        }
-        Ok(())
-    }
-
-    /// RDMA READs `len` bytes (at most `max_message`) of the peer's buffer at `offset`,
-    /// waiting up to `timeout` for them (across a move, if one happens meanwhile);
-    /// [`ConnError::OneSidedTimedOut`] naming `read` after that.
-    pub fn read(
-        &self,
-        from: &RemoteBuffer,
-        offset: u64,
-        len: usize,
-        timeout: Duration,
-    ) -> Result<Vec<u8>, ConnError> {
-        let mut read = self.start_read(from, offset, len)?;
-        let deadline = Instant::now() + timeout;
-        let queued = self.wait_until(deadline, |st| self.queue_read(st, &mut read));
-        self.queued("read", timeout, queued)?;
-        let answer = self.wait_until(deadline, |st| self.read_step(st, &mut read));
-        answer.unwrap_or_else(|| Err(self.onesided_timeout("read", timeout)))
-    }
-
-    /// Waits up to `timeout` until every queued WRITE (and READ) has completed: its data is
-    /// in the peer's buffer; [`ConnError::OneSidedTimedOut`] naming `flush_writes` after that.
-    pub fn flush_writes(&self, timeout: Duration) -> Result<(), ConnError> {
-        let done = self.wait_until(Instant::now() + timeout, |st| self.flushed_step(st));
-        done.unwrap_or_else(|| Err(self.onesided_timeout("flush_writes", timeout)))
-    }
-
-    // What follows is shared by the blocking calls above and their async forms
-    // (asynchronous.rs): the checks, the queueing, and each wait's `decide` step, a look at
-    // the locked state that answers or says to wait for the worker's next change.
-
-    /// `remote`'s step: the buffer once the peer's map names it.
-    pub(super) fn remote_step(
-        &self,
-        st: &State,
-        handle: u64,
-    ) -> Option<Result<RemoteBuffer, ConnError>> {
-        if let Some(b) = st.onesided.peer.get(handle) {
-            return Some(Ok(b));
-        }
-        self.check_usable(st, "remote").err().map(Err)
-    }
-
-    /// `remote`'s error when the peer exposed nothing under `handle` within `after`.
-    pub(super) fn unknown_handle(&self, handle: u64, after: Duration) -> ConnError {
-        ConnError::UnknownHandle {
-            id: self.shared.id,
-            handle,
-            after,
-        }
-    }
-
-    /// Checks a WRITE and splits it into `max_message`-sized parts, each with its offset.
-    pub(super) fn write_parts<'a>(
-        &self,
-        to: &RemoteBuffer,
-        offset: u64,
-        data: &'a [u8],
-    ) -> Result<impl Iterator<Item = (u64, &'a [u8])> + 'a, ConnError> {
-        self.check_op(to, offset, data.len(), to.writable(), "write")?;
-        let chunk = self.shared.opts.max_message.max(1);
-        Ok(data
-            .chunks(chunk)
-            .enumerate()
-            .map(move |(i, part)| (offset + (i * chunk) as u64, part)))
-    }
-
-    /// The step of queueing one part of a WRITE (see [`Connection::queue_op`]).
-    pub(super) fn queue_write(
-        &self,
-        st: &mut State,
-        to: &RemoteBuffer,
-        at: u64,
-        part: &[u8],
-    ) -> Option<Result<(), ConnError>> {
-        self.queue_op(st, "write", to.handle, at, || OpKind::Write(part.to_vec()))
-    }
-
-    /// Checks a READ; what its waits need.
-    pub(super) fn start_read(
-        &self,
-        from: &RemoteBuffer,
-        offset: u64,
-        len: usize,
-    ) -> Result<PendingRead, ConnError> {
-        self.check_op(from, offset, len, from.readable(), "read")?;
-        let max = self.shared.opts.max_message;
-        if len > max {
-            return Err(ConnError::MessageTooLarge { len, max });
-        }
-        let (reply, data) = mpsc::channel();
-        Ok(PendingRead {
-            handle: from.handle,
-            offset,
-            len,
-            reply: Some(reply),
-            data,
-        })
-    }
-
-    /// The step of queueing a READ (see [`Connection::queue_op`]); its reply's sender goes
-    /// into the queue.
-    pub(super) fn queue_read(
-        &self,
-        st: &mut State,
-        read: &mut PendingRead,
-    ) -> Option<Result<(), ConnError>> {
-        let (len, reply) = (read.len, &mut read.reply);
-        self.queue_op(st, "read", read.handle, read.offset, || {
-            OpKind::Read(len, reply.take().expect("a READ is queued once"))
-        })
-    }
-
-    /// The step of queueing operation `op` (made by `kind`): the connection's error if it
-    /// is unusable, queued once the queue has room (`max_outbox` operations).
-    fn queue_op(
-        &self,
-        st: &mut State,
-        op: &'static str,
-        handle: u64,
-        offset: u64,
-        kind: impl FnOnce() -> OpKind,
-    ) -> Option<Result<(), ConnError>> {
-        if let Err(e) = self.check_usable(st, op) {
-            return Some(Err(e));
-        }
-        if st.onesided.ops.len() >= self.shared.opts.max_outbox {
-            return None;
-        }
-        st.onesided.ops.push(handle, offset, kind());
-        Some(Ok(()))
-    }
-
-    /// The outcome of waiting (up to `after`) for [`Connection::queue_op`]: the worker is
-    /// woken for a queued operation; no answer means the queue stayed full.
-    pub(super) fn queued(
-        &self,
-        op: &'static str,
-        after: Duration,
-        answer: Option<Result<(), ConnError>>,
-    ) -> Result<(), ConnError> {
-        answer.unwrap_or_else(|| Err(self.onesided_timeout(op, after)))?;
-        self.shared.notify_worker();
-        Ok(())
-    }
-
-    /// `read`'s step once queued: the data once the READ completed. The worker sends it
-    /// under the state lock, so looking under the lock misses no wake-up. A dropped sender
-    /// means the queue was dropped: the connection failed or closed.
-    pub(super) fn read_step(
-        &self,
-        st: &State,
-        read: &mut PendingRead,
-    ) -> Option<Result<Vec<u8>, ConnError>> {
-        match read.data.try_recv() {
-            Ok(data) => Some(Ok(data)),
-            Err(mpsc::TryRecvError::Empty) => None,
-            Err(mpsc::TryRecvError::Disconnected) => Some(Err(self
-                .check_usable(st, "read")
-                .err()
-                .unwrap_or(ConnError::InvalidState {
-                    id: self.shared.id,
-                    op: "read",
-                    state: st.conn_state,
-                }))),
-        }
-    }
-
-    /// `flush_writes`' step: done once the operation queue is empty.
-    pub(super) fn flushed_step(&self, st: &State) -> Option<Result<(), ConnError>> {
-        if st.onesided.ops.is_empty() {
-            return Some(Ok(()));
-        }
-        self.check_usable(st, "flush_writes").err().map(Err)
-    }
-
-    /// The error of a one-sided wait that ran out after `after`.
-    pub(super) fn onesided_timeout(&self, op: &'static str, after: Duration) -> ConnError {
-        ConnError::OneSidedTimedOut {
-            id: self.shared.id,
-            op,
-            after,
-            pending: self.shared.lock().onesided.ops.len(),
-        }
-    }
-
-    fn check_op(
-        &self,
-        b: &RemoteBuffer,
-        offset: u64,
-        len: usize,
-        allowed: bool,
-        op: &'static str,
-    ) -> Result<(), ConnError> {
-        if !allowed {
-            return Err(ConnError::NotPermitted {
-                handle: b.handle,
-                op,
-            });
-        }
-        check_range(b.handle, b.len, offset, len)?;
-        let st = self.shared.lock();
-        self.check_usable(&st, op)?;
-        if st.onesided.peer.get(b.handle).is_none() {
-            return Err(self.unknown_handle(b.handle, Duration::ZERO));
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -680,7 +446,10 @@ mod tests {
         map.update(&full).unwrap();
         // Announcing a known buffer again is fine; a new one is not.
         map.update(&[entry(0)]).unwrap();
-        let err = map.update(&[entry(MAX_BUFFERS as u64)]).unwrap_err();
+        let err = map
+            .update(&[entry(MAX_BUFFERS as u64)])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("more than 1024 buffers"), "{err}");
         assert_eq!(map.buffers.len(), MAX_BUFFERS);
     }

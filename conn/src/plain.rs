@@ -52,6 +52,28 @@ pub enum PlainError {
     Spawn(#[source] std::io::Error),
 }
 
+/// Why one connect attempt of the client failed (it retries on its next round).
+#[derive(Debug, Error)]
+enum AttemptError {
+    /// A verbs or rdma_cm call failed.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// The step's CM event did not come in time.
+    #[error("no {want:?} in time")]
+    NoEvent {
+        /// The event waited for.
+        want: CmEventKind,
+    },
+    /// Another CM event came for the id.
+    #[error("{kind:?} ({status})")]
+    Unexpected {
+        /// The event.
+        kind: CmEventKind,
+        /// Its status.
+        status: i32,
+    },
+}
+
 /// Counters of a plain endpoint.
 #[derive(Debug, Clone, Default)]
 pub struct PlainStats {
@@ -293,37 +315,38 @@ impl PlainThread {
         }
     }
 
-    fn connect(&mut self, peer: SocketAddr) -> Result<Endpoint, String> {
-        let id = CmId::create(&self.chan).map_err(|e| error_chain(&e))?;
-        id.resolve_addr(peer, STEP_TIMEOUT)
-            .map_err(|e| error_chain(&e))?;
+    fn connect(&mut self, peer: SocketAddr) -> Result<Endpoint, AttemptError> {
+        let id = CmId::create(&self.chan)?;
+        id.resolve_addr(peer, STEP_TIMEOUT)?;
         self.wait(&id, CmEventKind::AddrResolved)?;
-        id.resolve_route(STEP_TIMEOUT)
-            .map_err(|e| error_chain(&e))?;
+        id.resolve_route(STEP_TIMEOUT)?;
         self.wait(&id, CmEventKind::RouteResolved)?;
-        let ep = build_endpoint(id, DEPTH, self.slot).map_err(|e| error_chain(&e))?;
-        ep.id.connect(&[], 7, 7).map_err(|e| error_chain(&e))?;
+        let ep = build_endpoint(id, DEPTH, self.slot)?;
+        ep.id.connect(&[], 7, 7)?;
         self.wait(&ep.id, CmEventKind::Established)?;
         Ok(ep)
     }
 
-    fn wait(&mut self, id: &CmId, want: CmEventKind) -> Result<(), String> {
+    fn wait(&mut self, id: &CmId, want: CmEventKind) -> Result<(), AttemptError> {
         let deadline = Instant::now() + STEP_TIMEOUT + Duration::from_millis(500);
         loop {
             let now = Instant::now();
             if now >= deadline {
-                return Err(format!("no {want:?} in time"));
+                return Err(AttemptError::NoEvent { want });
             }
             match self.chan.get_event(deadline - now) {
                 Ok(Some(ev)) if ev.id == id.key() => {
                     return if ev.kind == want {
                         Ok(())
                     } else {
-                        Err(format!("{:?} ({})", ev.kind, ev.status))
+                        Err(AttemptError::Unexpected {
+                            kind: ev.kind,
+                            status: ev.status,
+                        })
                     };
                 }
                 Ok(_) => {}
-                Err(e) => return Err(error_chain(&e)),
+                Err(e) => return Err(AttemptError::Verbs(e)),
             }
         }
     }

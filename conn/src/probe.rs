@@ -12,11 +12,14 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::bridge;
-use super::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
-use super::worker::{build_endpoint, error_chain};
+use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
-use rdmamig_verbs::{CmEvent, CmEventKind, CmId, EventChannel};
+use rdmamig_verbs::{CmEvent, CmEventKind, CmId, EventChannel, VerbsError};
+use thiserror::Error;
+
+use crate::bridge::{self, BridgeError};
+use crate::wire::{Hello, PrivateData, RejectReason, MAX_CONNECT_PRIVATE_DATA};
+use crate::worker::build_endpoint;
 
 /// How the listener answered a probing RESUME.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,12 +34,44 @@ pub enum ProbeAnswer {
 
 const STEP: Duration = Duration::from_secs(2);
 
+/// Why a probe got no answer (reported as [`ProbeAnswer::NoAnswer`] with its whole chain).
+#[derive(Debug, Error)]
+enum ProbeError {
+    /// A verbs or rdma_cm call failed.
+    #[error(transparent)]
+    Verbs(VerbsError),
+    /// The step's CM event did not come within [`STEP`].
+    #[error("no CM event for {what} within {STEP:?}")]
+    NoEvent {
+        /// The step.
+        what: &'static str,
+    },
+    /// Address resolution ended in another event.
+    #[error("address resolution: {0:?}")]
+    AddrResolution(CmEventKind),
+    /// Route resolution ended in another event.
+    #[error("route resolution: {0:?}")]
+    RouteResolution(CmEventKind),
+    /// The probe's runtime could not be started.
+    #[error("starting a tokio runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The bridge's set-up failed.
+    #[error(transparent)]
+    Bridge(BridgeError),
+}
+
+impl ProbeError {
+    fn answer(self) -> ProbeAnswer {
+        ProbeAnswer::NoAnswer(error_chain(&self))
+    }
+}
+
 /// Sends a RESUME for `conn_id` with `token` to `peer` and waits (bounded) for the answer.
 /// An accepted probe is disconnected at once.
 pub fn probe_resume(peer: SocketAddr, conn_id: ConnectionId, token: [u8; 16]) -> ProbeAnswer {
     match attempt(peer, conn_id, token) {
         Ok(a) => a,
-        Err(e) => ProbeAnswer::NoAnswer(e),
+        Err(e) => e.answer(),
     }
 }
 
@@ -65,27 +100,27 @@ pub fn probe_bridge(
         .build()
     {
         Ok(runtime) => runtime,
-        Err(e) => return ProbeAnswer::NoAnswer(format!("starting a tokio runtime: {e}")),
+        Err(e) => return ProbeError::Runtime(e).answer(),
     };
     match runtime.block_on(bridge::introduce(peer, &greeting)) {
         Ok((_, PrivateData::Reject(r))) => ProbeAnswer::Refused(r.reason),
         Ok((_, PrivateData::Accept(_))) => ProbeAnswer::Accepted,
         Ok((_, other)) => ProbeAnswer::NoAnswer(format!("unexpected answer {other:?}")),
-        Err(e) => ProbeAnswer::NoAnswer(e),
+        Err(e) => ProbeError::Bridge(e).answer(),
     }
 }
 
-fn wait(chan: &EventChannel, id: &CmId, what: &str) -> Result<CmEvent, String> {
+fn wait(chan: &EventChannel, id: &CmId, what: &'static str) -> Result<CmEvent, ProbeError> {
     let end = Instant::now() + STEP;
     loop {
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!("no CM event for {what} within {STEP:?}"));
+            return Err(ProbeError::NoEvent { what });
         }
         match chan.get_event(left) {
             Ok(Some(ev)) if ev.id == id.key() => return Ok(ev),
             Ok(_) => {}
-            Err(e) => return Err(error_chain(&e)),
+            Err(e) => return Err(ProbeError::Verbs(e)),
         }
     }
 }
@@ -94,19 +129,19 @@ fn attempt(
     peer: SocketAddr,
     conn_id: ConnectionId,
     token: [u8; 16],
-) -> Result<ProbeAnswer, String> {
-    let verbs = |e: rdmamig_verbs::VerbsError| error_chain(&e);
+) -> Result<ProbeAnswer, ProbeError> {
+    let verbs = ProbeError::Verbs;
     let chan = EventChannel::new().map_err(verbs)?;
     let id = CmId::create(&chan).map_err(verbs)?;
     id.resolve_addr(peer, STEP).map_err(verbs)?;
     let ev = wait(&chan, &id, "address resolution")?;
     if ev.kind != CmEventKind::AddrResolved {
-        return Err(format!("address resolution: {:?}", ev.kind));
+        return Err(ProbeError::AddrResolution(ev.kind));
     }
     id.resolve_route(STEP).map_err(verbs)?;
     let ev = wait(&chan, &id, "route resolution")?;
     if ev.kind != CmEventKind::RouteResolved {
-        return Err(format!("route resolution: {:?}", ev.kind));
+        return Err(ProbeError::RouteResolution(ev.kind));
     }
     let ep = build_endpoint(id, 8, 64).map_err(verbs)?;
     let pd = PrivateData::Resume(Hello {

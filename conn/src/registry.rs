@@ -1,6 +1,6 @@
 //! The library's side of the agent socket.
 //!
-//! Every [`crate::Connection`] and [`crate::Listener`] of the process registers
+//! Every `Connection` and `Listener` of the process registers
 //! here. On first registration a background thread connects to the agent's UNIX socket
 //! ([`rdmamig_proto::app::DEFAULT_AGENT_SOCKET`], or `$RDMAMIG_AGENT_SOCKET`, or the path set
 //! with [`set_agent_socket`]); while there is no agent it retries quietly every second, so the
@@ -19,6 +19,8 @@ use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent, DEFAULT_AGENT_SOCKET};
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use thiserror::Error;
+
+use crate::control::ControlError;
 
 /// Environment variable naming the agent socket.
 pub const AGENT_SOCKET_ENV: &str = "RDMAMIG_AGENT_SOCKET";
@@ -54,9 +56,9 @@ pub(crate) trait Migratable: Send + Sync {
     fn describe(&self) -> Option<ConnectionInfo>;
     /// Quiesce within `deadline`; with `bridge`, a connection carries its messages over its
     /// TCP bridge until the RDMA path is back.
-    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), String>;
+    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), ControlError>;
     /// Resume within `deadline`.
-    fn resume(&self, deadline: Instant) -> Result<(), String>;
+    fn resume(&self, deadline: Instant) -> Result<(), ControlError>;
     /// Listeners are quiesced after and resumed before connections.
     fn is_listener(&self) -> bool;
     /// The connection id (None for listeners).
@@ -188,7 +190,7 @@ pub fn bounded_parallel<T: Sync, R: Send>(
 /// with id 0.
 fn run_all(
     entries: &[std::sync::Arc<dyn Migratable>],
-    op: impl Fn(&dyn Migratable) -> Result<(), String> + Sync,
+    op: impl Fn(&dyn Migratable) -> Result<(), ControlError> + Sync,
 ) -> Vec<ConnectionOutcome> {
     bounded_parallel(entries, MAX_PARALLEL, |e| {
         let start = Instant::now();
@@ -197,7 +199,8 @@ fn run_all(
     })
     .into_iter()
     .filter_map(|r| {
-        let (id, elapsed, result) = r.unwrap_or((None, Duration::ZERO, Err("panicked".into())));
+        let (id, elapsed, result) =
+            r.unwrap_or((None, Duration::ZERO, Err(ControlError::Panicked)));
         // Listeners appear only when they failed: the agent lists connections.
         if id.is_none() && result.is_ok() {
             return None;
@@ -210,7 +213,7 @@ fn run_all(
                 if id.is_none() {
                     format!("listener: {e}")
                 } else {
-                    e
+                    e.to_string()
                 }
             }),
         })

@@ -12,8 +12,10 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
+use crate::control::ControlError;
+
 /// The worker's side of a request: `Ok` or what went wrong.
-pub(crate) type Reply = oneshot::Sender<Result<(), String>>;
+pub(crate) type Reply = oneshot::Sender<Result<(), ControlError>>;
 
 /// How a wait for an answer ended without one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

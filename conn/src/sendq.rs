@@ -10,6 +10,7 @@
 //! without a completion to come (a quiesce waits for none in flight).
 
 use std::collections::VecDeque;
+use thiserror::Error;
 
 #[derive(Debug)]
 pub(crate) struct SendSlots {
@@ -60,14 +61,23 @@ impl SendSlots {
 
     /// A completion for `slot`: it and every send posted before it are complete, their slots
     /// free again. Returns how many were freed; an error if `slot` is not in flight.
-    pub(crate) fn completed(&mut self, slot: u32) -> Result<usize, String> {
-        let at =
-            self.posted.iter().position(|s| *s == slot).ok_or_else(|| {
-                format!("a send completion for slot {slot}, which is not in flight")
-            })?;
+    pub(crate) fn completed(&mut self, slot: u32) -> Result<usize, NotInFlight> {
+        let at = self
+            .posted
+            .iter()
+            .position(|s| *s == slot)
+            .ok_or(NotInFlight { slot })?;
         self.free.extend(self.posted.drain(..=at));
         Ok(at + 1)
     }
+}
+
+/// A send completion for a slot that holds no posted send (the QP or the worker is broken).
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("a send completion for slot {slot}, which is not in flight")]
+pub(crate) struct NotInFlight {
+    /// The completion's slot.
+    pub(crate) slot: u32,
 }
 
 #[cfg(test)]

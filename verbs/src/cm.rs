@@ -1,4 +1,4 @@
-//! librdmacm: event channels, cm ids, CM events and the device-list refresh.
+//! librdmacm: event channels, cm ids and CM events (the device-list refresh is in `context`).
 
 use std::io;
 use std::mem;
@@ -10,8 +10,12 @@ use std::time::Duration;
 
 use rdma_sys::*;
 
-use super::ib::{CompletionQueue, MemoryRegion, PdInner, ProtectionDomain, QpCaps};
-use super::{set_nonblocking, wait_readable, VerbsError};
+use crate::error::VerbsError;
+use crate::fd::{set_nonblocking, wait_readable, OwnsFd};
+use crate::ib::{
+    CompletionChannel, CompletionQueue, MemoryRegion, PdInner, ProtectionDomain, QpCaps,
+};
+use crate::inner::{ChannelInner, IdInner};
 
 /// rdma_set_option level for cm id options (missing from rdma-sys).
 const RDMA_OPTION_ID: i32 = 0;
@@ -40,25 +44,6 @@ pub struct SendWr {
     pub wr_id: u64,
     /// Whether it produces a completion.
     pub signaled: bool,
-}
-
-pub(crate) struct ChannelInner {
-    ptr: NonNull<rdma_event_channel>,
-}
-
-// SAFETY: an rdma_event_channel is a descriptor wrapper; librdmacm's calls on it
-// (rdma_get_cm_event, rdma_migrate_id, destroy) may come from any thread, and the only
-// shared mutable state (the fd) is the kernel's.
-unsafe impl Send for ChannelInner {}
-// SAFETY: as above; no method takes `&self` and mutates Rust-visible state.
-unsafe impl Sync for ChannelInner {}
-
-impl Drop for ChannelInner {
-    fn drop(&mut self) {
-        // SAFETY: the pointer came from rdma_create_event_channel and every id created on
-        // or migrated to this channel holds an Arc to it, so no id still uses it.
-        unsafe { rdma_destroy_event_channel(self.ptr.as_ptr()) };
-    }
 }
 
 /// An rdma_cm event channel: the descriptor CM events for its ids arrive on.
@@ -171,7 +156,7 @@ impl AsRawFd for EventChannel {
 
 // SAFETY: the descriptor is the channel's own, set at creation and closed only when the last
 // holder of `inner` (this value or an id on the channel) drops it.
-unsafe impl super::OwnsFd for EventChannel {}
+unsafe impl OwnsFd for EventChannel {}
 
 /// Identity of a cm id, to match events with ids. Only compared, never dereferenced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -237,38 +222,6 @@ pub struct CmEvent {
     pub private_data: Vec<u8>,
     /// For `ConnectRequest`: the new id, owned; dropping it rejects the request.
     pub new_id: Option<CmId>,
-}
-
-pub(crate) struct IdInner {
-    ptr: NonNull<rdma_cm_id>,
-    /// The channel the id's events arrive on; kept alive as long as the id.
-    chan: Mutex<Arc<ChannelInner>>,
-}
-
-// SAFETY: librdmacm ids may be used from any thread; the `CmId` that owns the id makes every
-// call through `&mut self` or from its single owner, and the other holders of `IdInner`
-// (PDs, CQs, comp channels keeping the device's context referenced) only drop it.
-unsafe impl Send for IdInner {}
-// SAFETY: as above: shared holders never call through the pointer.
-unsafe impl Sync for IdInner {}
-
-impl IdInner {
-    pub(crate) fn verbs(&self) -> *mut ibv_context {
-        // SAFETY: the id is alive while `self` is; `verbs` is a plain pointer field.
-        unsafe { (*self.ptr.as_ptr()).verbs }
-    }
-}
-
-impl Drop for IdInner {
-    fn drop(&mut self) {
-        // SAFETY: the last holder is gone: the owning CmId destroyed its QP first, and every
-        // PD/CQ/channel allocated on the id's device context has been released, so librdmacm
-        // may drop its reference on the device. Events were acknowledged as they were read.
-        let rc = unsafe { rdma_destroy_id(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::warn!(error = %io::Error::last_os_error(), "rdma_destroy_id failed");
-        }
-    }
 }
 
 struct QpParts {
@@ -561,8 +514,8 @@ impl CmId {
     }
 
     /// Creates a completion channel on the id's device.
-    pub fn create_comp_channel(&self) -> Result<super::CompletionChannel, VerbsError> {
-        super::CompletionChannel::create(self.inner.clone())
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel, VerbsError> {
+        CompletionChannel::create(self.inner.clone())
     }
 
     /// Creates the RC QP on this id, with `cq` for both send and receive completions.
@@ -798,137 +751,4 @@ impl Drop for CmId {
         self.destroy_qp();
         // `inner` drops after this: the id is destroyed once the last PD/CQ on it is gone.
     }
-}
-
-/// The descriptors of one device context librdmacm opened (and caches).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct CachedContext {
-    cmd_fd: i32,
-    async_fd: i32,
-    /// `uverbsN`: the character device behind `cmd_fd`.
-    uverbs: String,
-}
-
-fn cached_contexts() -> &'static Mutex<Vec<CachedContext>> {
-    static CONTEXTS: std::sync::OnceLock<Mutex<Vec<CachedContext>>> = std::sync::OnceLock::new();
-    CONTEXTS.get_or_init(|| Mutex::new(Vec::new()))
-}
-
-/// PDs alive per context (keyed by its command descriptor). A context is shared by every id
-/// of the process on the device, so one thread's refresh (a listener that lost its device)
-/// must not release a context another thread's connection still has objects on: those
-/// objects' destruction would then fail and leave the completion channel's descriptor open,
-/// which holds the device and blocks its unplug.
-fn live_pds() -> &'static Mutex<std::collections::HashMap<i32, usize>> {
-    static LIVE: std::sync::OnceLock<Mutex<std::collections::HashMap<i32, usize>>> =
-        std::sync::OnceLock::new();
-    LIVE.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
-}
-
-/// Counts a PD allocated (`true`) or freed (`false`) on the context with `cmd_fd`.
-pub(crate) fn context_in_use(cmd_fd: i32, allocated: bool) {
-    let mut live = live_pds().lock().unwrap_or_else(|p| p.into_inner());
-    let n = live.entry(cmd_fd).or_default();
-    if allocated {
-        *n += 1;
-    } else {
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            live.remove(&cmd_fd);
-        }
-    }
-}
-
-fn context_busy(cmd_fd: i32) -> bool {
-    live_pds()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .contains_key(&cmd_fd)
-}
-
-/// Remembers the descriptors of the device context `ctx` (librdmacm's, shared by all ids on
-/// the device) so [`refresh_device_list`] can release them once the device has vanished;
-/// returns its command descriptor.
-pub(crate) fn remember_context(ctx: *mut ibv_context) -> i32 {
-    if ctx.is_null() {
-        return -1;
-    }
-    // SAFETY: `ctx` is a live context (the caller holds an id bound to it); its `device`
-    // pointer and the NUL-terminated `dev_name` array inside stay valid while it is open.
-    let entry = unsafe {
-        let c = &*ctx;
-        let dev = &*c.device;
-        CachedContext {
-            cmd_fd: c.cmd_fd,
-            async_fd: c.async_fd,
-            uverbs: std::ffi::CStr::from_ptr(dev.dev_name.as_ptr())
-                .to_string_lossy()
-                .into_owned(),
-        }
-    };
-    let cmd_fd = entry.cmd_fd;
-    let mut list = cached_contexts().lock().unwrap_or_else(|p| p.into_inner());
-    if !list.contains(&entry) {
-        list.push(entry);
-    }
-    cmd_fd
-}
-
-/// Refreshes librdmacm's device list (rdma_get_devices + rdma_free_devices) and releases the
-/// cached context of every device that has vanished.
-///
-/// librdmacm keeps an open context per device even after its last id is destroyed, and an
-/// open context blocks the device's hot-unplug (the kernel waits for every uverbs file to be
-/// closed). librdmacm 44 drops a vanished device from its list during this refresh only if
-/// at least one other device remains: with the last (often the only) device gone,
-/// `sync_devices_list` returns early and the context stays open forever. So, once the
-/// device's `uverbsN` node is gone from sysfs (the first step of its removal), the context's
-/// command and async-event descriptors are replaced by /dev/null (dup2): the kernel's files
-/// are released, the unplug completes, and librdmacm's later close of that context closes
-/// the /dev/null duplicates. A context on which this process still has a PD (and so
-/// possibly a QP, CQ or MRs) is left alone until a later refresh, after its owner released
-/// them. Returns the number of devices present.
-pub fn refresh_device_list() -> Result<usize, VerbsError> {
-    let mut n: i32 = 0;
-    // SAFETY: `n` is an out-parameter; the result is checked for NULL.
-    let list = unsafe { rdma_get_devices(&mut n) };
-    if !list.is_null() {
-        // SAFETY: `list` came from rdma_get_devices and is freed exactly once.
-        unsafe { rdma_free_devices(list) };
-    }
-    evict_vanished_contexts();
-    Ok(n.max(0) as usize)
-}
-
-fn evict_vanished_contexts() {
-    let mut list = cached_contexts().lock().unwrap_or_else(|p| p.into_inner());
-    list.retain(|c| {
-        let present = std::path::Path::new("/sys/class/infiniband_verbs")
-            .join(&c.uverbs)
-            .exists();
-        if present || context_busy(c.cmd_fd) {
-            return true;
-        }
-        let link = |fd: i32| std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
-        // A removed device node reads as "/dev/infiniband/uverbsN (deleted)".
-        let node = format!("/dev/infiniband/{}", c.uverbs);
-        let cmd_ok = link(c.cmd_fd).is_some_and(|p| {
-            let p = p.to_string_lossy();
-            p == node || p == format!("{node} (deleted)")
-        });
-        let async_ok = link(c.async_fd).is_some_and(|p| p.to_string_lossy().starts_with("anon_inode:"));
-        let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") else {
-            return true;
-        };
-        use std::os::fd::AsRawFd;
-        for (fd, ok) in [(c.cmd_fd, cmd_ok), (c.async_fd, async_ok)] {
-            if ok {
-                match nix::unistd::dup2(null.as_raw_fd(), fd) {
-                    Ok(_) => tracing::info!(fd, uverbs = %c.uverbs, "released the cached context of a vanished RDMA device"),
-                    Err(e) => tracing::warn!(fd, error = %e, "dup2 over a vanished device's descriptor failed"),
-                }
-            }
-        }
-        false
-    });
 }

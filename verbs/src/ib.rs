@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use rdma_sys::*;
 
-use super::cm::IdInner;
-use super::{set_nonblocking, wait_readable, VerbsError};
+use crate::context::{context_in_use, remember_context};
+use crate::error::VerbsError;
+use crate::fd::{set_nonblocking, wait_readable, OwnsFd};
+use crate::inner::IdInner;
 
 /// Queue sizes for an RC QP.
 #[derive(Debug, Clone, Copy)]
@@ -25,7 +27,7 @@ pub struct QpCaps {
 pub(crate) struct PdInner {
     ptr: NonNull<ibv_pd>,
     /// The context's command descriptor: the key of its in-use count (see
-    /// `cm::context_in_use`).
+    /// `context::context_in_use`).
     cmd_fd: i32,
     // Keeps the id, and with it librdmacm's reference on the device context, alive.
     _id: Arc<IdInner>,
@@ -47,7 +49,7 @@ impl Drop for PdInner {
         }
         // Everything of this endpoint on the context (QP, CQ, completion channel, MRs) was
         // released before its PD.
-        super::cm::context_in_use(self.cmd_fd, false);
+        context_in_use(self.cmd_fd, false);
     }
 }
 
@@ -63,12 +65,12 @@ impl ProtectionDomain {
         if ctx.is_null() {
             return Err(VerbsError::NoDevice);
         }
-        let cmd_fd = super::cm::remember_context(ctx);
+        let cmd_fd = remember_context(ctx);
         // SAFETY: `ctx` is the id's open device context (non-NULL, kept open by the id).
         let ptr = unsafe { ibv_alloc_pd(ctx) };
         let ptr =
             NonNull::new(ptr).ok_or_else(|| VerbsError::AllocPd(io::Error::last_os_error()))?;
-        super::cm::context_in_use(cmd_fd, true);
+        context_in_use(cmd_fd, true);
         Ok(Self {
             inner: Arc::new(PdInner {
                 ptr,
@@ -421,7 +423,7 @@ impl AsRawFd for CompletionChannel {
 // SAFETY: the descriptor is the channel's own, set at creation and closed only when the last
 // holder of `inner` (this value, a clone or a CQ on the channel) drops it: a clone being
 // watched keeps it open until the watch ends.
-unsafe impl super::OwnsFd for CompletionChannel {}
+unsafe impl OwnsFd for CompletionChannel {}
 
 pub(crate) struct CqInner {
     ptr: NonNull<ibv_cq>,

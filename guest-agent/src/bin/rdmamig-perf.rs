@@ -189,6 +189,115 @@ enum Report {
     },
 }
 
+/// What failed in a test run (printed with its chain, one line).
+#[derive(Debug, thiserror::Error)]
+enum PerfError {
+    /// The connection, its listener or a one-sided call failed.
+    #[error(transparent)]
+    Conn(#[from] ConnError),
+    /// The step's message did not arrive in time.
+    #[error("no message within {STEP_TIMEOUT:?}")]
+    NoMessage,
+    /// `pair` runs both ends on one thread.
+    #[error("pair needs --api async (a blocking accept would hold the thread)")]
+    PairNeedsAsync,
+    /// `pair`'s server end failed.
+    #[error("the server")]
+    Server(#[source] Box<PerfError>),
+    /// `pair`'s client end failed.
+    #[error("the client")]
+    Client(#[source] Box<PerfError>),
+    /// `pair`'s server end reported something else than a serve report.
+    #[error("the server reported {0:?}")]
+    ServerReported(Box<Report>),
+    /// --size below a message's header.
+    #[error("--size must be at least {HEADER}")]
+    SizeTooSmall,
+    /// Writing the ready file failed.
+    #[error("writing {}", path.display())]
+    ReadyFile {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A message too short to carry its number.
+    #[error("a {len}-byte message has no number")]
+    NoNumber {
+        /// Its length.
+        len: usize,
+    },
+    /// A data message out of order: the library lost, duplicated or reordered one.
+    #[error("data message {number} arrived after {received}: lost, duplicated or reordered")]
+    OutOfOrder {
+        /// The message's number.
+        number: u64,
+        /// The last number received in order.
+        received: u64,
+    },
+    /// A NOTICE came before the EXPOSE.
+    #[error("a notice before the buffer")]
+    NoticeBeforeBuffer,
+    /// A NOTICE that does not decode.
+    #[error("a malformed notice")]
+    MalformedNotice,
+    /// The region named by a notice does not hold what it says.
+    #[error("region check failed: {0:?}")]
+    RegionCheck(Verdict),
+    /// A message of no known kind.
+    #[error("unexpected message kind {0:?}")]
+    UnexpectedKind(Option<u8>),
+    /// An EXPOSE with a zero or too large size.
+    #[error(
+        "a bad expose request {msg:?}: regions and size must be non-zero, the buffer at most \
+         {MAX_BUFFER} bytes"
+    )]
+    BadExpose {
+        /// The message.
+        msg: Vec<u8>,
+    },
+    /// `write` with no region or regions below a stamp.
+    #[error("--regions must be at least 1 and --size at least {STAMP_LEN}")]
+    BadWriteArgs,
+    /// The server's count of verified regions is not the count written.
+    #[error("region {region} round {round}: the server verified {verified} regions, {count} were written")]
+    VerifiedMismatch {
+        /// The region.
+        region: u32,
+        /// The round.
+        round: u64,
+        /// What the server verified.
+        verified: u64,
+        /// What was written.
+        count: u64,
+    },
+    /// A READ returned other bytes than the WRITE put there.
+    #[error("region {region} round {round}: the READ returned other bytes than were written")]
+    ReadMismatch {
+        /// The region.
+        region: u32,
+        /// The round.
+        round: u64,
+    },
+    /// An answer that is not an 8-byte count.
+    #[error("{what} answered with {len} bytes, not 8")]
+    BadCount {
+        /// What was answered.
+        what: &'static str,
+        /// The answer's length.
+        len: usize,
+    },
+    /// The server received another count of messages than were sent.
+    #[error("the server received {received} messages, {sent} were sent")]
+    ReceivedMismatch {
+        /// What the server received in order.
+        received: u64,
+        /// What was sent.
+        sent: u64,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The async API's connection workers run on this runtime too: IO and time enabled.
@@ -208,13 +317,13 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("rdmamig-perf: {e}");
+            eprintln!("rdmamig-perf: {}", error_chain(&e));
             ExitCode::FAILURE
         }
     }
 }
 
-async fn run(cli: Cli) -> Result<Report, String> {
+async fn run(cli: Cli) -> Result<Report, PerfError> {
     match cli.cmd {
         Cmd::Serve {
             listen,
@@ -250,9 +359,9 @@ async fn run(cli: Cli) -> Result<Report, String> {
 
 /// `serve` and `lat` against it, joined on this task: both ends' waits (and, with the
 /// async API, both workers) share the one runtime thread.
-async fn pair(api: Api, listen: SocketAddr, iters: u32) -> Result<Report, String> {
+async fn pair(api: Api, listen: SocketAddr, iters: u32) -> Result<Report, PerfError> {
     if !matches!(api, Api::Async) {
-        return Err("pair needs --api async (a blocking accept would hold the thread)".into());
+        return Err(PerfError::PairNeedsAsync);
     }
     let client = Client {
         to: listen,
@@ -272,9 +381,9 @@ async fn pair(api: Api, listen: SocketAddr, iters: u32) -> Result<Report, String
             echoed,
             lat: Box::new(lat),
         }),
-        (Err(e), _) => Err(format!("the server: {e}")),
-        (_, Err(e)) => Err(format!("the client: {e}")),
-        (Ok(other), _) => Err(format!("the server reported {other:?}")),
+        (Err(e), _) => Err(PerfError::Server(Box::new(e))),
+        (_, Err(e)) => Err(PerfError::Client(Box::new(e))),
+        (Ok(other), _) => Err(PerfError::ServerReported(Box::new(other))),
     }
 }
 
@@ -286,62 +395,67 @@ enum Conn {
 }
 
 impl Conn {
-    async fn send(&self, msg: &[u8]) -> Result<(), String> {
+    async fn send(&self, msg: &[u8]) -> Result<(), PerfError> {
         match self {
             Conn::Blocking(c) => c.send(msg),
             Conn::Async(c) => c.send(msg).await,
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
     /// The next message; running out of time is an error here.
-    async fn recv(&self) -> Result<Vec<u8>, String> {
+    async fn recv(&self) -> Result<Vec<u8>, PerfError> {
         match self {
             Conn::Blocking(c) => c.recv(STEP_TIMEOUT),
             Conn::Async(c) => c.recv(STEP_TIMEOUT).await,
         }
-        .map_err(|e| error_chain(&e))?
-        .ok_or_else(|| format!("no message within {STEP_TIMEOUT:?}"))
+        .map_err(PerfError::from)?
+        .ok_or(PerfError::NoMessage)
     }
 
-    fn expose(&self, len: usize) -> Result<Exposed, String> {
+    fn expose(&self, len: usize) -> Result<Exposed, PerfError> {
         match self {
             Conn::Blocking(c) => c.expose(Some(BUFFER), len, Access::ReadWrite),
             Conn::Async(c) => c.expose(Some(BUFFER), len, Access::ReadWrite),
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
-    async fn remote(&self, handle: u64) -> Result<RemoteBuffer, String> {
+    async fn remote(&self, handle: u64) -> Result<RemoteBuffer, PerfError> {
         match self {
             Conn::Blocking(c) => c.remote(handle, STEP_TIMEOUT),
             Conn::Async(c) => c.remote(handle, STEP_TIMEOUT).await,
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
-    async fn write(&self, to: &RemoteBuffer, offset: u64, data: &[u8]) -> Result<(), String> {
+    async fn write(&self, to: &RemoteBuffer, offset: u64, data: &[u8]) -> Result<(), PerfError> {
         match self {
             Conn::Blocking(c) => c.write(to, offset, data),
             Conn::Async(c) => c.write(to, offset, data).await,
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
-    async fn flush_writes(&self) -> Result<(), String> {
+    async fn flush_writes(&self) -> Result<(), PerfError> {
         match self {
             Conn::Blocking(c) => c.flush_writes(STEP_TIMEOUT),
             Conn::Async(c) => c.flush_writes(STEP_TIMEOUT).await,
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
-    async fn read(&self, from: &RemoteBuffer, offset: u64, len: usize) -> Result<Vec<u8>, String> {
+    async fn read(
+        &self,
+        from: &RemoteBuffer,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, PerfError> {
         match self {
             Conn::Blocking(c) => c.read(from, offset, len, STEP_TIMEOUT),
             Conn::Async(c) => c.read(from, offset, len, STEP_TIMEOUT).await,
         }
-        .map_err(|e| error_chain(&e))
+        .map_err(PerfError::from)
     }
 
     /// Times a QP was established (1 + reconnects).
@@ -370,7 +484,7 @@ fn options(size: usize) -> ConnectOptions {
     }
 }
 
-async fn accept(api: Api, listen: SocketAddr, timeout: Duration) -> Result<Conn, String> {
+async fn accept(api: Api, listen: SocketAddr, timeout: Duration) -> Result<Conn, PerfError> {
     let opts = options(1 << 16);
     let conn = match api {
         Api::Blocking => Listener::bind(listen, &opts)
@@ -381,12 +495,12 @@ async fn accept(api: Api, listen: SocketAddr, timeout: Duration) -> Result<Conn,
             Err(e) => Err(e),
         },
     };
-    conn.map_err(|e| error_chain(&e))
+    conn.map_err(PerfError::from)
 }
 
-async fn connect(api: Api, client: &Client) -> Result<Conn, String> {
+async fn connect(api: Api, client: &Client) -> Result<Conn, PerfError> {
     if client.size < HEADER {
-        return Err(format!("--size must be at least {HEADER}"));
+        return Err(PerfError::SizeTooSmall);
     }
     let opts = options(client.size);
     let conn = match api {
@@ -395,9 +509,12 @@ async fn connect(api: Api, client: &Client) -> Result<Conn, String> {
             .await
             .map(Conn::Async),
     }
-    .map_err(|e| error_chain(&e))?;
+    .map_err(PerfError::from)?;
     if let Some(path) = &client.ready_file {
-        std::fs::write(path, b"").map_err(|e| format!("writing {}: {e}", path.display()))?;
+        std::fs::write(path, b"").map_err(|source| PerfError::ReadyFile {
+            path: path.clone(),
+            source,
+        })?;
     }
     Ok(conn)
 }
@@ -410,14 +527,14 @@ fn message(kind: u8, number: u64, size: usize) -> Vec<u8> {
     msg
 }
 
-fn number_of(msg: &[u8]) -> Result<u64, String> {
+fn number_of(msg: &[u8]) -> Result<u64, PerfError> {
     msg.get(1..HEADER)
         .and_then(|b| <[u8; 8]>::try_from(b).ok())
         .map(u64::from_le_bytes)
-        .ok_or_else(|| format!("a {}-byte message has no number", msg.len()))
+        .ok_or(PerfError::NoNumber { len: msg.len() })
 }
 
-async fn serve(conn: &Conn) -> Result<Report, String> {
+async fn serve(conn: &Conn) -> Result<Report, PerfError> {
     let (mut received, mut echoed, mut verified) = (0u64, 0u64, 0u64);
     // `write`'s buffer and its region size, once the client asked for it.
     let mut buffer: Option<(Exposed, usize)> = None;
@@ -431,10 +548,7 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
             Some(&DATA) => {
                 let number = number_of(&msg)?;
                 if number != received + 1 {
-                    return Err(format!(
-                        "data message {number} arrived after {received}: lost, duplicated or \
-                         reordered"
-                    ));
+                    return Err(PerfError::OutOfOrder { number, received });
                 }
                 received = number;
             }
@@ -443,16 +557,16 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
                 buffer = Some((conn.expose(size * regions)?, size));
             }
             Some(&NOTICE) => {
-                let (exposed, size) = buffer.as_ref().ok_or("a notice before the buffer")?;
-                let notice = Notice::decode(&msg[1..]).ok_or("a malformed notice")?;
+                let (exposed, size) = buffer.as_ref().ok_or(PerfError::NoticeBeforeBuffer)?;
+                let notice = Notice::decode(&msg[1..]).ok_or(PerfError::MalformedNotice)?;
                 let mut found = vec![0u8; *size];
                 exposed
                     .read(notice.region as usize * size, &mut found)
-                    .map_err(|e| error_chain(&e))?;
+                    .map_err(PerfError::from)?;
                 // The client waits for each answer: its next write cannot overtake this one.
                 match regions::verify(&found, &notice) {
                     Verdict::Good => verified += 1,
-                    other => return Err(format!("region check failed: {other:?}")),
+                    other => return Err(PerfError::RegionCheck(other)),
                 }
                 conn.send(&verified.to_le_bytes()).await?;
             }
@@ -460,7 +574,7 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
                 conn.send(&received.to_le_bytes()).await?;
                 break;
             }
-            other => return Err(format!("unexpected message kind {other:?}")),
+            other => return Err(PerfError::UnexpectedKind(other.copied())),
         }
     }
     // The client closes once it has the answer; wait for that (its close ends the recv) so
@@ -473,7 +587,7 @@ async fn serve(conn: &Conn) -> Result<Report, String> {
     })
 }
 
-async fn latency(conn: &Conn, size: usize, iters: u32) -> Result<Report, String> {
+async fn latency(conn: &Conn, size: usize, iters: u32) -> Result<Report, PerfError> {
     let mut samples = Vec::with_capacity(iters as usize);
     for i in 0..WARMUP + iters {
         let started = Instant::now();
@@ -519,7 +633,7 @@ impl Limit {
     }
 }
 
-async fn rate(conn: &Conn, size: usize, limit: Limit) -> Result<Report, String> {
+async fn rate(conn: &Conn, size: usize, limit: Limit) -> Result<Report, PerfError> {
     let started = Instant::now();
     let mut sent = 0u64;
     while limit.more(sent, started) {
@@ -546,7 +660,7 @@ fn expose_message(size: usize, regions: u32) -> Vec<u8> {
 }
 
 /// The region size and count of an expose message, checked against [`MAX_BUFFER`].
-fn expose_request(msg: &[u8]) -> Result<(usize, usize), String> {
+fn expose_request(msg: &[u8]) -> Result<(usize, usize), PerfError> {
     let size = msg
         .get(1..9)
         .and_then(|b| <[u8; 8]>::try_from(b).ok())
@@ -565,21 +679,21 @@ fn expose_request(msg: &[u8]) -> Result<(usize, usize), String> {
         {
             Ok((size as usize, regions as usize))
         }
-        _ => Err(format!(
-            "a bad expose request {msg:?}: regions and size must be non-zero, the buffer at \
-             most {MAX_BUFFER} bytes"
-        )),
+        _ => Err(PerfError::BadExpose { msg: msg.to_vec() }),
     }
 }
 
 /// Writes region after region of the server's buffer through its handle: each WRITE is
 /// completed before its notice is sent (so the notice arrives after the data), the server's
 /// answer says it verified the region in its own memory, and a READ must return the same.
-async fn one_sided(conn: &Conn, size: usize, regions: u32, limit: Limit) -> Result<Report, String> {
+async fn one_sided(
+    conn: &Conn,
+    size: usize,
+    regions: u32,
+    limit: Limit,
+) -> Result<Report, PerfError> {
     if regions == 0 || size < STAMP_LEN {
-        return Err(format!(
-            "--regions must be at least 1 and --size at least {STAMP_LEN}"
-        ));
+        return Err(PerfError::BadWriteArgs);
     }
     conn.send(&expose_message(size, regions)).await?;
     let buffer = conn.remote(BUFFER).await?;
@@ -604,15 +718,15 @@ async fn one_sided(conn: &Conn, size: usize, regions: u32, limit: Limit) -> Resu
         count += 1;
         let verified = count_in(&conn.recv().await?, "a notice")?;
         if verified != count {
-            return Err(format!(
-                "region {region} round {round}: the server verified {verified} regions, {count} \
-                 were written"
-            ));
+            return Err(PerfError::VerifiedMismatch {
+                region,
+                round,
+                verified,
+                count,
+            });
         }
         if conn.read(&buffer, at, size).await? != data {
-            return Err(format!(
-                "region {region} round {round}: the READ returned other bytes than were written"
-            ));
+            return Err(PerfError::ReadMismatch { region, round });
         }
         reads += 1;
     }
@@ -630,22 +744,23 @@ async fn one_sided(conn: &Conn, size: usize, regions: u32, limit: Limit) -> Resu
 }
 
 /// The count the server answers `what` with.
-fn count_in(answer: &[u8], what: &str) -> Result<u64, String> {
+fn count_in(answer: &[u8], what: &'static str) -> Result<u64, PerfError> {
     <[u8; 8]>::try_from(answer)
         .map(u64::from_le_bytes)
-        .map_err(|_| format!("{what} answered with {} bytes, not 8", answer.len()))
+        .map_err(|_| PerfError::BadCount {
+            what,
+            len: answer.len(),
+        })
 }
 
 /// Ends the test: the server answers with how many data messages it received in order, which
 /// must be what was sent (the library promises exactly-once, in-order delivery).
-async fn finish(conn: &Conn, sent: u64) -> Result<(), String> {
+async fn finish(conn: &Conn, sent: u64) -> Result<(), PerfError> {
     conn.send(&[FINISH]).await?;
     let answer = conn.recv().await?;
     let received = count_in(&answer, "FINISH")?;
     if received != sent {
-        return Err(format!(
-            "the server received {received} messages, {sent} were sent"
-        ));
+        return Err(PerfError::ReceivedMismatch { received, sent });
     }
-    conn.close().await.map_err(|e| error_chain(&e))
+    conn.close().await.map_err(PerfError::from)
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
-use rdmamig_conn::ConnectOptions;
+use rdmamig_conn::{error_chain, ConnectOptions};
 use rdmamig_guest::traffic::{self, Mode, OneSidedConfig, Side, TrafficConfig};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
@@ -217,7 +217,7 @@ fn main() {
                 0
             }
             Err(e) => {
-                eprintln!("rdmamig-traffic probe-agent: {e}");
+                eprintln!("rdmamig-traffic probe-agent: {}", error_chain(&e));
                 1
             }
         },
@@ -232,7 +232,7 @@ fn main() {
                 0
             }
             Err(e) => {
-                eprintln!("rdmamig-traffic stall-quiesce: {e}");
+                eprintln!("rdmamig-traffic stall-quiesce: {}", error_chain(&e));
                 1
             }
         },
@@ -346,7 +346,7 @@ fn ctl(socket: &std::path::Path, op: &str, deadline_ms: u64, wait_ms: u64) -> i3
             0
         }
         Err(e) => {
-            eprintln!("rdmamig-traffic ctl: {e}");
+            eprintln!("rdmamig-traffic ctl: {}", error_chain(&e));
             1
         }
     }
@@ -357,32 +357,32 @@ fn ctl_inner(
     op: &str,
     deadline_ms: u64,
     wait_ms: u64,
-) -> Result<String, String> {
+) -> Result<String, ToolError> {
     let _ = std::fs::remove_file(socket);
     if let Some(dir) = socket.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    let listener =
-        UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?;
+    let listener = UnixListener::bind(socket).map_err(|source| ToolError::Bind {
+        path: socket.to_owned(),
+        source,
+    })?;
     let cleanup = Cleanup(socket.to_owned());
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    listener.set_nonblocking(true)?;
     let wait_until = Instant::now() + Duration::from_millis(wait_ms);
     let mut stream = loop {
         match listener.accept() {
             Ok((s, _)) => break s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= wait_until {
-                    return Err(format!("no process registered within {wait_ms} ms"));
+                    return Err(ToolError::NoProcess { wait_ms });
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
     };
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(Duration::from_millis(deadline_ms + 10_000)))
-        .map_err(|e| e.to_string())?;
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_millis(deadline_ms + 10_000)))?;
     let mut fb = FrameBuffer::new();
     let hello: AppToAgent = read_frame(&mut stream, &mut fb)?;
     let request = match op {
@@ -398,9 +398,7 @@ fn ctl_inner(
         },
     };
     let start = Instant::now();
-    stream
-        .write_all(&Frame::encode(&request))
-        .map_err(|e| e.to_string())?;
+    stream.write_all(&Frame::encode(&request))?;
     let reply: AppToAgent = read_frame(&mut stream, &mut fb)?;
     let elapsed = start.elapsed();
     drop(cleanup);
@@ -414,7 +412,7 @@ fn ctl_inner(
 }
 
 /// See `Cmd::ProbeAgent`.
-fn probe_agent(socket: &std::path::Path) -> Result<String, String> {
+fn probe_agent(socket: &std::path::Path) -> Result<String, ToolError> {
     let header = |len: u32| {
         let mut b = rdmamig_proto::frame::MAGIC.to_vec();
         b.push(rdmamig_proto::PROTOCOL_VERSION);
@@ -430,24 +428,24 @@ fn probe_agent(socket: &std::path::Path) -> Result<String, String> {
     ];
     let mut results = Vec::new();
     for (name, bytes) in probes {
-        let mut stream = std::os::unix::net::UnixStream::connect(socket)
-            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .map_err(|e| e.to_string())?;
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(|source| {
+            ToolError::Connect {
+                path: socket.to_owned(),
+                source,
+            }
+        })?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
         stream
             .write_all(&bytes)
-            .map_err(|e| format!("{name}: {e}"))?;
+            .map_err(|source| ToolError::Probe { name, source })?;
         let mut fb = FrameBuffer::new();
         let answer = read_frame::<AgentToApp>(&mut stream, &mut fb);
         // Closed: the next read ends at once; open: it times out.
-        stream
-            .set_read_timeout(Some(Duration::from_millis(500)))
-            .map_err(|e| e.to_string())?;
+        stream.set_read_timeout(Some(Duration::from_millis(500)))?;
         let closed = matches!(stream.read(&mut [0u8; 64]), Ok(0));
         results.push(serde_json::json!({
             "probe": name,
-            "answer": answer.map_err(|e| format!("no answer: {e}")),
+            "answer": answer.map_err(|e| format!("no answer: {}", error_chain(&e))),
             "closed": closed,
         }));
     }
@@ -460,28 +458,32 @@ fn stall_quiesce(
     ready_file: &std::path::Path,
     marker: &std::path::Path,
     max_s: u64,
-) -> Result<String, String> {
-    let mut stream = std::os::unix::net::UnixStream::connect(socket)
-        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(max_s)))
-        .map_err(|e| e.to_string())?;
-    let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+) -> Result<String, ToolError> {
+    let mut stream =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|source| ToolError::Connect {
+            path: socket.to_owned(),
+            source,
+        })?;
+    stream.set_read_timeout(Some(Duration::from_secs(max_s)))?;
+    let mut writer = stream.try_clone()?;
     let mut send = move |message: &AppToAgent| {
         writer
             .write_all(&Frame::encode(message))
-            .map_err(|e| format!("writing to the agent: {e}"))
+            .map_err(ToolError::WriteAgent)
     };
     send(&AppToAgent::Hello {
         pid: std::process::id(),
         program: "stall-quiesce".into(),
     })?;
-    std::fs::write(ready_file, b"").map_err(|e| format!("{}: {e}", ready_file.display()))?;
+    std::fs::write(ready_file, b"").map_err(|source| ToolError::File {
+        path: ready_file.to_owned(),
+        source,
+    })?;
     let mut fb = FrameBuffer::new();
     loop {
         let request = match read_frame::<AgentToApp>(&mut stream, &mut fb) {
             Ok(request) => request,
-            Err(e) => return Ok(format!("the agent link ended: {e}")),
+            Err(e) => return Ok(format!("the agent link ended: {}", error_chain(&e))),
         };
         let (request, body) = match request {
             AgentToApp::Describe { request } => (
@@ -496,16 +498,86 @@ fn stall_quiesce(
                     outcomes: Vec::new(),
                 },
             ),
-            AgentToApp::Refused { reason } => {
-                return Err(format!("the agent refused a message: {reason}"))
-            }
+            AgentToApp::Refused { reason } => return Err(ToolError::Refused { reason }),
             AgentToApp::Quiesce { .. } => {
-                std::fs::write(marker, b"").map_err(|e| format!("{}: {e}", marker.display()))?;
+                std::fs::write(marker, b"").map_err(|source| ToolError::File {
+                    path: marker.to_owned(),
+                    source,
+                })?;
                 continue;
             }
         };
         send(&AppToAgent::Reply { request, body })?;
     }
+}
+
+/// What failed in one of the tool's agent-socket commands (`ctl`, `probe-agent`,
+/// `stall-quiesce`); printed with its chain.
+#[derive(Debug, thiserror::Error)]
+enum ToolError {
+    /// Binding the socket the library connects to failed.
+    #[error("binding {}", path.display())]
+    Bind {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Connecting to the agent's socket failed.
+    #[error("connecting to {}", path.display())]
+    Connect {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No process connected within the wait.
+    #[error("no process registered within {wait_ms} ms")]
+    NoProcess {
+        /// The wait.
+        wait_ms: u64,
+    },
+    /// A socket call failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// Reading the socket failed.
+    #[error("reading")]
+    Read(#[source] std::io::Error),
+    /// The other side closed the socket.
+    #[error("the process closed the socket")]
+    SocketClosed,
+    /// A frame was malformed or did not decode.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// Sending one probe's bytes failed.
+    #[error("{name}")]
+    Probe {
+        /// The probe.
+        name: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing to the agent failed.
+    #[error("writing to the agent")]
+    WriteAgent(#[source] std::io::Error),
+    /// Writing the ready file or the marker failed.
+    #[error("{}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent refused one of the tool's messages.
+    #[error("the agent refused a message: {reason}")]
+    Refused {
+        /// The agent's reason.
+        reason: String,
+    },
 }
 
 struct Cleanup(PathBuf);
@@ -519,17 +591,17 @@ impl Drop for Cleanup {
 fn read_frame<T: serde::de::DeserializeOwned>(
     stream: &mut std::os::unix::net::UnixStream,
     fb: &mut FrameBuffer,
-) -> Result<T, String> {
+) -> Result<T, ToolError> {
     let mut buf = [0u8; 4096];
     loop {
         match fb.pop() {
-            Ok(f) => return f.decode::<T>().map_err(|e| e.to_string()),
+            Ok(f) => return Ok(f.decode::<T>()?),
             Err(FrameError::Incomplete { .. }) => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
-        let n = stream.read(&mut buf).map_err(|e| format!("reading: {e}"))?;
+        let n = stream.read(&mut buf).map_err(ToolError::Read)?;
         if n == 0 {
-            return Err("the process closed the socket".into());
+            return Err(ToolError::SocketClosed);
         }
         fb.push(&buf[..n]);
     }

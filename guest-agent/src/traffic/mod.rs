@@ -145,6 +145,35 @@ pub enum TrafficError {
     },
 }
 
+/// What went wrong with one region of one-sided mode (counted, and reported as one of the
+/// flow's errors with its chain; the traffic goes on).
+#[derive(Debug, Error)]
+enum RegionError {
+    /// The connection refused or failed a WRITE, READ or flush.
+    #[error(transparent)]
+    Conn(#[from] ConnError),
+    /// The region read back is not what was written.
+    #[error("read back region {region} round {round}: it differs from what was written")]
+    ReadBackDiffers {
+        /// The region.
+        region: u32,
+        /// The round.
+        round: u64,
+    },
+    /// The peer's notice names a region outside this side's buffer.
+    #[error("notice for region {region}")]
+    Notice {
+        /// The region named.
+        region: u32,
+        /// The cause.
+        #[source]
+        source: ConnError,
+    },
+    /// The region holds something else than the notice says.
+    #[error("{0}")]
+    Bad(String),
+}
+
 /// Encodes message `counter`, sent at `sent_us` (UNIX microseconds), padded to `size` bytes.
 pub fn encode_message(counter: u64, sent_us: u64, size: usize) -> Vec<u8> {
     let mut m = vec![0u8; size.max(MIN_SIZE)];
@@ -556,24 +585,19 @@ impl Buffers {
         conn: &Connection,
         n: u64,
         c: &RegionCounters,
-    ) -> Result<Notice, String> {
+    ) -> Result<Notice, RegionError> {
         let regions = self.cfg.regions.max(1) as u64;
         let region = (n % regions) as u32;
         let round = n / regions;
         let (data, checksum) = regions::fill(round, region, self.cfg.region_size);
         let offset = region as u64 * self.cfg.region_size as u64;
-        let chain = |e: ConnError| rdmamig_conn::error_chain(&e);
-        conn.write(&self.remote, offset, &data).map_err(chain)?;
-        conn.flush_writes(ONE_SIDED_WAIT).map_err(chain)?;
+        conn.write(&self.remote, offset, &data)?;
+        conn.flush_writes(ONE_SIDED_WAIT)?;
         c.written.fetch_add(1, Ordering::Relaxed);
         if region == 0 {
-            let back = conn
-                .read(&self.remote, offset, data.len(), ONE_SIDED_WAIT)
-                .map_err(chain)?;
+            let back = conn.read(&self.remote, offset, data.len(), ONE_SIDED_WAIT)?;
             if back != data {
-                return Err(format!(
-                    "read back region {region} round {round}: it differs from what was written"
-                ));
+                return Err(RegionError::ReadBackDiffers { region, round });
             }
             c.reads.fetch_add(1, Ordering::Relaxed);
         }
@@ -585,18 +609,21 @@ impl Buffers {
     }
 
     /// Verifies this side's region named by `notice`.
-    fn check(&self, notice: &Notice, c: &RegionCounters) -> Result<(), String> {
+    fn check(&self, notice: &Notice, c: &RegionCounters) -> Result<(), RegionError> {
         let size = self.cfg.region_size;
         let mut found = vec![0u8; size];
         self.local
             .read(notice.region as usize * size, &mut found)
-            .map_err(|e| format!("notice for region {}: {e}", notice.region))?;
+            .map_err(|source| RegionError::Notice {
+                region: notice.region,
+                source,
+            })?;
         match regions::verify(&found, notice) {
             Verdict::Good => c.verified.fetch_add(1, Ordering::Relaxed),
             Verdict::Overtaken => c.overtaken.fetch_add(1, Ordering::Relaxed),
             Verdict::Bad(why) => {
                 c.bad.fetch_add(1, Ordering::Relaxed);
-                return Err(why);
+                return Err(RegionError::Bad(why));
             }
         };
         Ok(())
@@ -661,7 +688,9 @@ impl Flow {
                 if let (Some(b), Some(conn)) = (&buffers, ep.migratable()) {
                     match b.write_region(conn, n, &counters) {
                         Ok(notice) => notice.encode(&mut m[MIN_SIZE..]),
-                        Err(e) => errors.add(format!("one-sided: {e}")),
+                        Err(e) => {
+                            errors.add(format!("one-sided: {}", rdmamig_conn::error_chain(&e)))
+                        }
                     }
                 }
                 n += 1;
@@ -696,7 +725,10 @@ impl Flow {
                             let notice = Notice::decode(&m[MIN_SIZE..]);
                             if let (Some(b), Some(notice)) = (&buffers, notice) {
                                 if let Err(e) = b.check(&notice, &counters) {
-                                    errors.add(format!("one-sided: {e}"));
+                                    errors.add(format!(
+                                        "one-sided: {}",
+                                        rdmamig_conn::error_chain(&e)
+                                    ));
                                 }
                             }
                         }

@@ -1,0 +1,329 @@
+//! Quiesce, hold and resume: the agent's commands, the PAUSE / PAUSE_ACK / CLOSE /
+//! disconnect progress on a live link, what the connection does when a link is lost, the
+//! reconnect attempts while it holds no link, and the deadlines of the pending requests.
+
+use std::time::{Duration, Instant};
+
+use rdmamig_proto::text::error_chain;
+
+use super::link::Pause;
+use super::state::Phase;
+use super::Worker;
+use crate::control::ControlError;
+use crate::failure::{Failure, LinkEvent};
+use crate::reply::Reply;
+use crate::wire::{Kind, FLAG_BRIDGE, FLAG_MOVING};
+use rdmamig_verbs::{refresh_device_list, CmEventKind};
+
+/// How long to wait for DISCONNECTED after rdma_disconnect.
+/// How often the device list is refreshed while the connection holds no device.
+pub(super) const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How long to wait for DISCONNECTED after rdma_disconnect.
+pub(super) const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
+
+impl Worker {
+    pub(super) fn on_quiesce(&mut self, deadline: Instant, bridge: bool, reply: Reply) {
+        if let Some((_, r)) = self.resume_op.take() {
+            let _ = r.send(Err(ControlError::QuiesceBeforeResume));
+        }
+        if bridge {
+            self.start_bridging();
+        }
+        let bridging = self.bridging;
+        match &mut self.link {
+            Some(link) => {
+                if link.pause.is_none() {
+                    link.pause = Some(Pause {
+                        bridge: bridging,
+                        ..Pause::default()
+                    });
+                }
+                self.quiesce_op = Some((deadline, reply));
+                // A second quiesce takes over the first one's reply; a quiesce while closing
+                // pauses the link too, but the close goes on (and wins).
+                if self.phase == Phase::Up {
+                    self.enter(Phase::Quiescing);
+                }
+            }
+            None => {
+                // Without a link the connection holds at once (again: a second quiesce
+                // renews the hold).
+                self.down_until = Instant::now() + self.sh.opts.peer_wait;
+                let held = self.phase == Phase::Held || self.enter(Phase::Held);
+                if held {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_resume(&mut self, deadline: Instant, reply: Reply) {
+        if let Some(link) = &self.link {
+            if link.pause.is_some() {
+                let _ = reply.send(Err(ControlError::QuiesceInProgress));
+            } else {
+                let _ = reply.send(Ok(()));
+            }
+            return;
+        }
+        let now = Instant::now();
+        self.down_until = now + self.sh.opts.peer_wait;
+        self.next_attempt = now;
+        if self.phase != Phase::Resuming && !self.enter(Phase::Resuming) {
+            // The connection failed (and answered its requests): this one too.
+            let _ = reply.send(Err(ControlError::InvalidState {
+                op: "resume",
+                state: self.phase.name(),
+            }));
+            return;
+        }
+        if let Some((_, r)) = self.resume_op.replace((deadline, reply)) {
+            let _ = r.send(Err(ControlError::Superseded));
+        }
+    }
+
+    /// Handles the queued CM events, after reading the channel dry if `read` (its readiness
+    /// was taken).
+    pub(super) fn handle_cm_events(&mut self, read: bool) {
+        if read {
+            if let Err(e) = self.read_cm_events() {
+                tracing::warn!(error = %e, "reading CM events failed");
+            }
+        }
+        while let Some(ev) = self.cm_queue.pop_front() {
+            let Some(link) = &self.link else { continue };
+            if ev.id != link.ep.id.key() {
+                continue;
+            }
+            match ev.kind {
+                CmEventKind::Disconnected => {
+                    let expected = link.pause.is_some()
+                        || link.peer_paused.is_some()
+                        || link.close_sent
+                        || link.disconnecting.is_some()
+                        || self.sh.lock().peer_closed;
+                    self.link_lost(LinkEvent::PeerDisconnected, expected);
+                }
+                CmEventKind::DeviceRemoval => {
+                    self.link_lost(LinkEvent::DeviceRemoved, false);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Pause, PAUSE_ACK, close and disconnect progress.
+    pub(super) fn progress(&mut self) {
+        let now = Instant::now();
+        let Some(link) = &mut self.link else { return };
+        let last_received = self.sh.lock().last_received;
+        let mut failure: Option<LinkEvent> = None;
+        if link.owe_pause_ack && link.can_post_control() {
+            match link.post(Kind::PauseAck, 0, 0, &[], last_received) {
+                Ok(()) => {
+                    link.owe_pause_ack = false;
+                    link.pause_ack_sent = true;
+                }
+                Err(e) => failure = Some(LinkEvent::from(e)),
+            }
+        }
+        if let Some(p) = &mut link.pause {
+            if !p.sent
+                && link.slots.in_flight() == 0
+                && link.credits.can_send_control()
+                && link.slots.free() > 0
+            {
+                p.sent = true;
+                let flags = if p.bridge {
+                    FLAG_MOVING | FLAG_BRIDGE
+                } else {
+                    FLAG_MOVING
+                };
+                if let Err(e) = link.post(Kind::Pause, flags, 0, &[], last_received) {
+                    failure = Some(LinkEvent::from(e));
+                }
+            }
+        }
+        if let Some((deadline, _)) = &self.close_op {
+            let drained = {
+                let st = self.sh.lock();
+                st.outbox.is_empty() && st.onesided.ops.is_empty()
+            };
+            let late = now + Duration::from_millis(500) >= *deadline;
+            if !link.close_sent && (drained || late) && link.can_post_control() {
+                link.close_sent = true;
+                if let Err(e) = link.post(Kind::Close, 0, 0, &[], last_received) {
+                    failure = Some(LinkEvent::from(e));
+                }
+            }
+        }
+        let want_disconnect = link.pause.as_ref().is_some_and(|p| p.got_ack)
+            || (link.close_sent && link.slots.in_flight() == 0);
+        if want_disconnect && link.disconnecting.is_none() {
+            link.disconnecting = Some(now);
+            if let Err(e) = link.ep.id.disconnect() {
+                failure = Some(LinkEvent::Local(error_chain(&e)));
+            }
+        }
+        if link
+            .disconnecting
+            .is_some_and(|t| now.duration_since(t) > DISCONNECT_WAIT)
+        {
+            failure = Some(LinkEvent::Deadline {
+                deadline: "disconnect (1 s)",
+                what: "the DISCONNECTED event",
+            });
+        }
+        if link
+            .peer_paused
+            .is_some_and(|t| now.duration_since(t) > self.sh.opts.peer_wait)
+        {
+            failure = Some(LinkEvent::Deadline {
+                deadline: "peer_wait",
+                what: "the paused peer to disconnect",
+            });
+        }
+        if let Some(f) = failure {
+            let expected = link.disconnecting.is_some();
+            self.link_lost(f, expected);
+        }
+    }
+
+    /// The link is gone (or being given up): release every verbs object at once, then decide
+    /// what the connection does next.
+    pub(super) fn link_lost(&mut self, why: LinkEvent, expected: bool) {
+        let Some(link) = self.link.take() else { return };
+        let peer_paused = link.peer_paused.is_some();
+        if link.peer_bridging {
+            self.start_bridging();
+        }
+        drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
+        let _ = refresh_device_list();
+        self.last_refresh = Instant::now();
+        tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, expected, "link released");
+        if !expected {
+            self.sh.lock().stats.link_events.push(why.to_string());
+        }
+        let now = Instant::now();
+        if let Some((_, reply)) = self.close_op.take() {
+            let _ = reply.send(Ok(()));
+            self.finish_closed();
+            return;
+        }
+        if self.sh.lock().peer_closed {
+            self.finish_closed();
+            return;
+        }
+        if let Some((_, reply)) = self.quiesce_op.take() {
+            let _ = reply.send(if expected {
+                Ok(())
+            } else {
+                Err(ControlError::LinkBroke { why })
+            });
+            self.down_until = now + self.sh.opts.peer_wait;
+            self.enter(Phase::Held);
+            return;
+        }
+        self.down_until = now + self.sh.opts.peer_wait;
+        // Give a moving peer a moment before the first reconnect attempt.
+        self.next_attempt = if peer_paused {
+            now + self.sh.opts.reconnect_interval
+        } else {
+            now
+        };
+        self.last_error.clear();
+        self.last_link = Some(why);
+        if self.phase == Phase::Quiescing {
+            // The quiesce's own deadline gave the link up (`check_deadlines` answered it):
+            // the connection holds, and a later failure names that deadline.
+            self.enter(Phase::Held);
+        } else {
+            self.enter(Phase::AwaitingPeer);
+        }
+    }
+
+    pub(super) async fn down_tick(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_refresh) >= REFRESH_INTERVAL {
+            let _ = refresh_device_list();
+            self.last_refresh = now;
+        }
+        match self.phase {
+            Phase::Held => {
+                if now >= self.down_until {
+                    // No resume came: try on our own (the forced path).
+                    self.down_until = now + self.sh.opts.peer_wait;
+                    self.next_attempt = now;
+                    self.enter(Phase::AwaitingPeer);
+                }
+            }
+            Phase::AwaitingPeer | Phase::Resuming => {
+                if now >= self.down_until {
+                    self.fail(Failure::PeerWaitExpired {
+                        after: self.sh.opts.peer_wait,
+                        cause: self.last_link.clone(),
+                        last_attempt: (!self.last_error.is_empty())
+                            .then(|| self.last_error.clone()),
+                    });
+                    return;
+                }
+                if self.peer.is_some() && now >= self.next_attempt {
+                    match self.attempt(true).await {
+                        Ok(()) => {}
+                        Err(e) => match e.refused() {
+                            Some(reason) => self.fail(Failure::ResumeRefused(reason)),
+                            None => {
+                                self.last_error = e.text();
+                                self.next_attempt =
+                                    Instant::now() + self.sh.opts.reconnect_interval;
+                            }
+                        },
+                    }
+                }
+            }
+            // With a link, or ended: nothing to wait for here.
+            Phase::Connecting | Phase::Up | Phase::Quiescing | Phase::Closing => {}
+            Phase::Closed | Phase::Failed => {}
+        }
+    }
+
+    pub(super) fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        if self.quiesce_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let what = match &self.link {
+                Some(l) if l.disconnecting.is_some() => "the DISCONNECTED event",
+                Some(l) if l.pause.as_ref().is_some_and(|p| p.sent) => "the peer's PAUSE_ACK",
+                Some(_) => "posted sends to complete",
+                None => "the link",
+            };
+            let (_, reply) = self.quiesce_op.take().expect("checked");
+            let _ = reply.send(Err(ControlError::QuiesceTimedOut { what }));
+            self.link_lost(
+                LinkEvent::Deadline {
+                    deadline: "quiesce",
+                    what,
+                },
+                true,
+            );
+            if self.phase == Phase::Quiescing {
+                // There was no link to give up: hold all the same.
+                self.down_until = now + self.sh.opts.peer_wait;
+                self.enter(Phase::Held);
+            }
+        }
+        if self.resume_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let (_, reply) = self.resume_op.take().expect("checked");
+            let _ = reply.send(Err(ControlError::ResumeTimedOut {
+                last_error: (!self.last_error.is_empty()).then(|| self.last_error.clone()),
+            }));
+        }
+        if self.close_op.as_ref().is_some_and(|(d, _)| now >= *d) {
+            let (_, reply) = self.close_op.take().expect("checked");
+            self.link = None;
+            let _ = refresh_device_list();
+            let _ = reply.send(Err(ControlError::CloseTimedOut));
+            self.finish_closed();
+        }
+    }
+}
