@@ -14,9 +14,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use rdmamig_migrator::vfio::{dma_memory, Sysfs, VfioFunction};
-use vm_memory::{Bytes, GuestAddress};
 use rdmamig_proto::text::error_chain;
 use serde_json::{json, Map, Value};
+use vm_memory::{Bytes, GuestAddress};
 
 /// Where the DMA check maps its buffer.
 const IOVA: u64 = 0x10_0000;
