@@ -45,9 +45,11 @@ impl Backends for VmmBackends {
                 event_monitor,
                 vsock,
                 agent_port,
+                log_file,
             } => {
                 let mut config = ChConfig::new(api_socket);
                 config.event_monitor.clone_from(event_monitor);
+                config.log_file.clone_from(log_file);
                 config.vsock.clone_from(vsock);
                 config.agent_port = *agent_port;
                 Arc::new(ChVmm::connect(config).await?)

@@ -37,6 +37,10 @@ pub struct VmmFlags {
     /// migration shows as the migrate deadline passing).
     #[arg(long, global = true)]
     pub event_monitor: Option<PathBuf>,
+    /// Cloud Hypervisor: its --log-file, where a failed migration's cause is (its
+    /// migration-failed event carries none): the failure quotes the log's end.
+    #[arg(long, global = true)]
+    pub log_file: Option<PathBuf>,
     /// Cloud Hypervisor: the guest agent's vsock port (both ends).
     #[arg(long, global = true, default_value_t = DEFAULT_AGENT_PORT)]
     pub agent_port: u32,
@@ -52,6 +56,7 @@ impl VmmFlags {
             vsock: self.vsock.clone(),
             event_monitor: self.event_monitor.clone(),
             agent_port: self.agent_port,
+            log_file: self.log_file.clone(),
         }
         .endpoint(side)
     }
@@ -88,6 +93,7 @@ impl DestinationFlags {
             vsock: self.to_vsock.clone(),
             event_monitor: None,
             agent_port,
+            log_file: None,
         }
         .endpoint("destination")
     }

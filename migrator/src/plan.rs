@@ -151,6 +151,10 @@ pub enum Endpoint {
         vsock: Option<PathBuf>,
         /// The agent's vsock port in the guest.
         agent_port: u32,
+        /// `--log-file PATH`: where the VMM writes a failed migration's cause (its event
+        /// carries none), quoted in the failure.
+        #[serde(default)]
+        log_file: Option<PathBuf>,
     },
 }
 
@@ -188,6 +192,8 @@ pub struct EndpointFlags {
     pub event_monitor: Option<PathBuf>,
     /// Cloud Hypervisor: the agent's vsock port.
     pub agent_port: u32,
+    /// Cloud Hypervisor: its log file.
+    pub log_file: Option<PathBuf>,
 }
 
 impl EndpointFlags {
@@ -208,6 +214,9 @@ impl EndpointFlags {
                 if self.event_monitor.is_some() {
                     return Err(mismatch("an event monitor", "Cloud Hypervisor"));
                 }
+                if self.log_file.is_some() {
+                    return Err(mismatch("a log file", "Cloud Hypervisor"));
+                }
                 Ok(Endpoint::Qemu {
                     qmp,
                     agent: self.agent,
@@ -225,6 +234,7 @@ impl EndpointFlags {
                     event_monitor: self.event_monitor,
                     vsock: self.vsock,
                     agent_port: self.agent_port,
+                    log_file: self.log_file,
                 })
             }
             (Some(_), Some(_)) => Err(PlanError::Flags {
@@ -586,6 +596,7 @@ pub(crate) mod tests {
             event_monitor: None,
             vsock: None,
             agent_port: 7077,
+            log_file: None,
         });
         assert_eq!(
             p.validate(),
@@ -612,6 +623,7 @@ pub(crate) mod tests {
             vsock: vsock.then(|| "/v".into()),
             event_monitor: None,
             agent_port: 7077,
+            log_file: None,
         };
         assert_eq!(
             flags(true, false, true, false).endpoint("source"),
@@ -626,7 +638,8 @@ pub(crate) mod tests {
                 api_socket: "/a".into(),
                 event_monitor: None,
                 vsock: Some("/v".into()),
-                agent_port: 7077
+                agent_port: 7077,
+                log_file: None,
             })
         );
         for (bad, what) in [
@@ -654,6 +667,7 @@ pub(crate) mod tests {
             event_monitor: Some("/d/events".into()),
             vsock: Some("/d/vsock".into()),
             agent_port: 7077,
+            log_file: None,
         });
         p.limits.downtime = Some(Duration::from_millis(200));
         p.limits.local = true;

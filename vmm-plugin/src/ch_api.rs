@@ -1,11 +1,15 @@
 //! Cloud Hypervisor's REST API over its `--api-socket` UNIX socket.
 //!
 //! Every endpoint rdmamig uses is one [`Endpoint`] value that knows its method, its path
-//! under `/api/v1`, and the statuses Cloud Hypervisor's OpenAPI description lists for it;
-//! every body it sends is one [`Request`] value. Keeping them as data is what lets the
-//! contract tests (tests/ch_contract.rs) check the backend against the spec itself: each
-//! recorded body against the schema of its path and method, each listed status against
-//! [`Endpoint::statuses`].
+//! under `/api/v1`, the statuses Cloud Hypervisor's OpenAPI description lists for it, and the
+//! ones a real Cloud Hypervisor answers beyond them (../shared/cloud-hypervisor/NOTES.md:
+//! `vmm.shutdown` answers 200, refusals come as 500); every body it sends is one [`Request`]
+//! value. Keeping them as data is what lets the contract tests (tests/ch_contract.rs) check
+//! the backend against the spec and the notes: each recorded body against the schema of its
+//! path and method, each status against [`Endpoint::statuses`].
+//!
+//! The spec is not the whole truth: a status list taken from it alone made a real server's
+//! 200 from `vmm.shutdown` a protocol error, and its 500 refusals "unexpected answers".
 //!
 //! HTTP is hyper's (HTTP/1.1, one connection per request, as `ch-remote` does). Answers are
 //! bounded in size and time. Errors: Cloud Hypervisor answers a failure with a JSON array of
@@ -55,11 +59,14 @@ pub enum Endpoint {
     VmSendMigration,
     /// `PUT /vm.receive-migration`.
     VmReceiveMigration,
+    /// `PUT /vm.delete`: drops a VM that was created and never ran (what a failed receive
+    /// leaves), so that the VMM can receive again.
+    VmDelete,
 }
 
 impl Endpoint {
     /// Every endpoint the backend uses.
-    pub const ALL: [Endpoint; 10] = [
+    pub const ALL: [Endpoint; 11] = [
         Endpoint::VmmPing,
         Endpoint::VmmShutdown,
         Endpoint::VmInfo,
@@ -70,6 +77,7 @@ impl Endpoint {
         Endpoint::VmAddVsock,
         Endpoint::VmSendMigration,
         Endpoint::VmReceiveMigration,
+        Endpoint::VmDelete,
     ];
 
     /// The path under [`PREFIX`].
@@ -85,6 +93,7 @@ impl Endpoint {
             Endpoint::VmAddVsock => "/vm.add-vsock",
             Endpoint::VmSendMigration => "/vm.send-migration",
             Endpoint::VmReceiveMigration => "/vm.receive-migration",
+            Endpoint::VmDelete => "/vm.delete",
         }
     }
 
@@ -109,15 +118,15 @@ impl Endpoint {
             Endpoint::VmAddVsock => "add vsock device",
             Endpoint::VmSendMigration => "send migration",
             Endpoint::VmReceiveMigration => "receive migration",
+            Endpoint::VmDelete => "delete the VM",
         }
     }
 
-    /// Every status the API description lists for this endpoint, which is every status
-    /// [`classify`] gives a meaning for it; any other status is a protocol error.
-    pub fn statuses(self) -> &'static [u16] {
+    /// Every status the API description lists for this endpoint.
+    pub fn spec_statuses(self) -> &'static [u16] {
         match self {
             Endpoint::VmmPing => &[200],
-            Endpoint::VmmShutdown => &[204],
+            Endpoint::VmmShutdown | Endpoint::VmDelete => &[204],
             Endpoint::VmInfo => &[200, 404],
             Endpoint::VmPause | Endpoint::VmResume => &[204, 404, 405],
             Endpoint::VmAddDevice => &[200, 204, 400, 404, 409],
@@ -125,6 +134,31 @@ impl Endpoint {
             Endpoint::VmAddVsock => &[200, 204, 400, 404, 409, 500],
             Endpoint::VmSendMigration | Endpoint::VmReceiveMigration => &[204, 500],
         }
+    }
+
+    /// The statuses a real Cloud Hypervisor answers that the spec does not list (NOTES.md):
+    /// `vmm.shutdown`'s 200, and 500 with the error chain for any refusal (its API layer
+    /// answers every error of the VMM that way: a pause of a paused VM, a resume of a
+    /// running one, a call with no VM).
+    pub fn observed_statuses(self) -> &'static [u16] {
+        match self {
+            Endpoint::VmmShutdown => &[200, 500],
+            Endpoint::VmAddVsock | Endpoint::VmSendMigration | Endpoint::VmReceiveMigration => &[],
+            _ => &[500],
+        }
+    }
+
+    /// Every status [`classify`] gives a meaning for: the spec's and the observed ones; any
+    /// other status is a protocol error.
+    pub fn statuses(self) -> Vec<u16> {
+        let mut all: Vec<u16> = self
+            .spec_statuses()
+            .iter()
+            .chain(self.observed_statuses())
+            .copied()
+            .collect();
+        all.sort_unstable();
+        all
     }
 }
 
@@ -207,9 +241,14 @@ pub enum Outcome {
     Refused,
 }
 
-/// The meaning of `status` for `endpoint`, or `None` when the API description does not list
-/// it (a protocol error).
-pub fn classify(endpoint: Endpoint, status: u16) -> Option<Outcome> {
+/// The meaning of `status` for `endpoint`, whose error chain is `message`, or `None` when
+/// neither the API description nor NOTES.md lists it (a protocol error).
+///
+/// A 500 is what a real Cloud Hypervisor answers for any refusal; one whose chain says there
+/// is no VM (`VM is not created`, `VM is not running`) means the VM is not found, as a 404
+/// would. A refused state transition (`InvalidStateTransition(Paused, Paused)`) and any
+/// other 500 are refusals.
+pub fn classify(endpoint: Endpoint, status: u16, message: &str) -> Option<Outcome> {
     if !endpoint.statuses().contains(&status) {
         return None;
     }
@@ -217,8 +256,21 @@ pub fn classify(endpoint: Endpoint, status: u16) -> Option<Outcome> {
         200 | 204 => Outcome::Success,
         404 => Outcome::NotFound,
         409 => Outcome::Conflict,
+        500 if names_missing_vm(message) => Outcome::NotFound,
         _ => Outcome::Refused,
     })
+}
+
+/// Whether an error chain says the VMM holds no VM to act on.
+fn names_missing_vm(message: &str) -> bool {
+    [
+        "VM is not created",
+        "VM is not running",
+        "VmNotCreated",
+        "VmNotRunning",
+    ]
+    .iter()
+    .any(|words| message.contains(words))
 }
 
 /// Why an API call failed.
@@ -412,13 +464,14 @@ impl ApiClient {
                 })
             }
         };
-        match classify(endpoint, status) {
+        let message = || error_message(&bytes);
+        match classify(endpoint, status, &message()) {
             Some(Outcome::Success) => Ok(bytes),
             Some(outcome) => Err(ApiError::Status {
                 endpoint,
                 status,
                 outcome,
-                message: error_message(&bytes),
+                message: message(),
             }),
             None => Err(ApiError::Unexpected {
                 operation,
@@ -532,7 +585,8 @@ mod tests {
     }
 
     #[test]
-    fn statuses_outside_the_list_mean_nothing() {
+    fn statuses_outside_the_spec_and_the_notes_mean_nothing() {
+        let classify = |endpoint, status| classify(endpoint, status, "why");
         assert_eq!(
             classify(Endpoint::VmRemoveDevice, 404),
             Some(Outcome::NotFound)
@@ -542,8 +596,39 @@ mod tests {
             Some(Outcome::Conflict)
         );
         assert_eq!(classify(Endpoint::VmPause, 405), Some(Outcome::Refused));
-        assert_eq!(classify(Endpoint::VmRemoveDevice, 500), None);
         assert_eq!(classify(Endpoint::VmSendMigration, 200), None);
+        assert_eq!(classify(Endpoint::VmRemoveDevice, 418), None);
+        // What a real Cloud Hypervisor answers beyond the spec (NOTES.md).
+        assert_eq!(classify(Endpoint::VmmShutdown, 200), Some(Outcome::Success));
+        assert_eq!(
+            classify(Endpoint::VmRemoveDevice, 500),
+            Some(Outcome::Refused)
+        );
+    }
+
+    #[test]
+    fn a_500_is_a_refusal_or_a_missing_vm_by_its_chain() {
+        let paused =
+            "Error from API: The VM could not be paused: InvalidStateTransition(Paused, Paused)";
+        assert_eq!(
+            classify(Endpoint::VmPause, 500, paused),
+            Some(Outcome::Refused)
+        );
+        let running = "Error from API: InvalidStateTransition(Running, Running)";
+        assert_eq!(
+            classify(Endpoint::VmResume, 500, running),
+            Some(Outcome::Refused)
+        );
+        let none = "Error from API: The VM could not be paused: VM is not running";
+        assert_eq!(
+            classify(Endpoint::VmPause, 500, none),
+            Some(Outcome::NotFound)
+        );
+        let created = "Error from API: The VM info is not available: VM is not created";
+        assert_eq!(
+            classify(Endpoint::VmSendMigration, 500, created),
+            Some(Outcome::NotFound)
+        );
     }
 
     #[test]
@@ -551,7 +636,7 @@ mod tests {
         let status = |endpoint, status| ApiError::Status {
             endpoint,
             status,
-            outcome: classify(endpoint, status).unwrap(),
+            outcome: classify(endpoint, status, "why").unwrap(),
             message: "why".into(),
         };
         assert!(matches!(
@@ -565,6 +650,10 @@ mod tests {
         assert!(matches!(
             status(Endpoint::VmSendMigration, 500).into_vmm("unix:/x"),
             VmmError::Refused { class, operation: "send migration", .. } if class == "HTTP 500"
+        ));
+        assert!(matches!(
+            status(Endpoint::VmPause, 500).into_vmm("vm"),
+            VmmError::Refused { class, operation: "pause the VM", .. } if class == "HTTP 500"
         ));
     }
 }

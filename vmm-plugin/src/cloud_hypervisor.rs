@@ -19,7 +19,14 @@
 //!   [`Vmm::confirm_received`] waits for that answer (the receiver's own confirmation),
 //!   then for `vm.info` to show the VM running.
 //! - A VMM without a VM answers `vm.info` with 404: [`Vmm::status`] reports it as
-//!   [`VmPhase::NoVm`] (a destination ready to receive, or a source whose VM left).
+//!   [`VmPhase::NoVm`] (a destination ready to receive, or a source whose VM left). A failed
+//!   receive leaves the destination's VM `Created` (never ran): that is no VM either, and
+//!   [`Vmm::prepare_incoming`] deletes it (`vm.delete`) before it receives again.
+//! - A migration's `migration-failed` event carries no reason (NOTES.md): the failure names
+//!   the tail of the VMM's `--log-file` when the config gives it, where the cause is.
+//! - A VMM can die mid-migration, and its event file then just stops growing: while waiting
+//!   for a migration the backend pings the VMM every second and fails at once, naming it,
+//!   when it no longer answers.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -43,6 +50,19 @@ pub const NO_VM: &str = "no VM";
 /// The guest agent's vsock port when none is configured (`rdmamig-agent --vsock-port`).
 pub const DEFAULT_AGENT_PORT: u32 = 7077;
 
+/// [`VmStatus::state`] of a VM that was created and never ran (what a failed receive
+/// leaves on the destination).
+pub const CREATED: &str = "Created";
+
+/// How often a migration's wait asks the VMM whether it still answers.
+const LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long that ask may take.
+const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How much of the end of the VMM's log a failed migration reports.
+const LOG_TAIL: usize = 2048;
+
 /// How to reach one Cloud Hypervisor process.
 #[derive(Debug, Clone)]
 pub struct ChConfig {
@@ -54,6 +74,8 @@ pub struct ChConfig {
     pub agent_port: u32,
     /// `--event-monitor path=PATH`: how an outgoing migration's outcome is known.
     pub event_monitor: Option<PathBuf>,
+    /// `--log-file PATH`: where a failed migration's cause is written (its event has none).
+    pub log_file: Option<PathBuf>,
     /// Mutual TLS material for receiving over tcp (`tls_dir`).
     pub tls_dir: Option<PathBuf>,
     /// Wait for each API answer.
@@ -75,6 +97,7 @@ impl ChConfig {
             vsock: None,
             agent_port: DEFAULT_AGENT_PORT,
             event_monitor: None,
+            log_file: None,
             tls_dir: None,
             answer_timeout: Duration::from_secs(10),
             agent_timeout: Duration::from_secs(5),
@@ -223,6 +246,46 @@ impl ChVmm {
         })
     }
 
+    /// Fails, naming the VMM, when it no longer answers `vmm.ping` (it died: its socket is
+    /// gone, or it does not answer within [`LIVENESS_TIMEOUT`]).
+    async fn still_answers(&self, operation: &'static str) -> Result<(), VmmError> {
+        match self
+            .api
+            .call_within(Endpoint::VmmPing, None, LIVENESS_TIMEOUT)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(VmmError::Died {
+                operation,
+                socket: self.config.api_socket.display().to_string(),
+                cause: Box::new(e.into_vmm("vmm")),
+            }),
+        }
+    }
+
+    /// The end of the VMM's log (the lines of its last [`LOG_TAIL`] bytes), made printable,
+    /// when the config names it and it can be read.
+    fn log_tail(&self) -> Option<String> {
+        let path = self.config.log_file.as_ref()?;
+        let bytes = std::fs::read(path).ok()?;
+        let start = bytes.len().saturating_sub(LOG_TAIL);
+        let tail = String::from_utf8_lossy(&bytes[start..]);
+        // From the first whole line on; lines joined as one message.
+        let whole = match tail.find('\n') {
+            Some(at) if start > 0 => &tail[at + 1..],
+            _ => &tail[..],
+        };
+        let lines: Vec<&str> = whole
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        if lines.is_empty() {
+            return None;
+        }
+        Some(rdmamig_proto::text::printable(&lines.join(" | "), LOG_TAIL))
+    }
+
     fn unplugging(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.unplugging
             .lock()
@@ -290,6 +353,8 @@ impl Vmm for ChVmm {
         let phase = match info.state.as_str() {
             "Running" => VmPhase::Running,
             "Paused" => VmPhase::Paused,
+            // Never ran (a failed receive left it): nothing runs, as with no VM.
+            CREATED => VmPhase::NoVm,
             _ => VmPhase::Other,
         };
         Ok(VmStatus {
@@ -368,6 +433,18 @@ impl Vmm for ChVmm {
                 object: uri.into(),
                 message: "this VMM is already receiving a migration".into(),
             });
+        }
+        // A failed receive left a VM that never ran: Cloud Hypervisor receives only into a
+        // VMM without one.
+        if self.status().await?.state == CREATED {
+            self.api
+                .call(Endpoint::VmDelete, None)
+                .await
+                .map_err(|e| e.into_vmm("vm"))?;
+            tracing::info!(
+                socket = %self.config.api_socket.display(),
+                "deleted the VM a failed receive left before receiving again"
+            );
         }
         let request = Request::ReceiveMigration {
             receiver_url: uri.into(),
@@ -452,7 +529,12 @@ impl Vmm for ChVmm {
             operation: "wait for migration",
             reason: "no migration was sent by this session".into(),
         })?;
+        let mut asked_alive = Instant::now();
         loop {
+            if asked_alive.elapsed() >= LIVENESS_INTERVAL {
+                self.still_answers("wait for migration").await?;
+                asked_alive = Instant::now();
+            }
             let elapsed = millis(sent.started.elapsed());
             let sample = match sent.events.as_mut() {
                 Some(reader) => {
@@ -503,9 +585,13 @@ impl Vmm for ChVmm {
                 }
                 Some(failed) if failed.status == MigrationStatus::Failed => {
                     *sending = None;
+                    let mut reason = failed.error.unwrap_or_default();
+                    if let Some(tail) = self.log_tail() {
+                        reason = format!("{reason}; its log ends: {tail}");
+                    }
                     return Err(VmmError::MigrationFailed {
                         status: failed.status,
-                        reason: failed.error.unwrap_or_default(),
+                        reason,
                     });
                 }
                 _ => {}

@@ -251,6 +251,17 @@ pub enum VmmError {
         /// The operation that found it gone.
         operation: &'static str,
     },
+    /// The VMM stopped answering while an operation waited on it.
+    #[error("{operation}: the VMM at {socket} no longer answers (it died, or hangs)")]
+    Died {
+        /// What was waiting on it.
+        operation: &'static str,
+        /// Its control socket.
+        socket: String,
+        /// What the liveness check got.
+        #[source]
+        cause: Box<VmmError>,
+    },
     /// The VMM said something this adapter cannot make sense of.
     #[error("{operation}: unexpected answer from the VMM: {reason}")]
     Protocol {

@@ -6,9 +6,14 @@
 //! answers with statuses and bodies taken from (and checked against) the spec:
 //! - every recorded request's path and method exist in the spec, and its body validates
 //!   against the request schema of that path and method (unknown properties included);
-//! - for every endpoint the backend uses, the statuses the spec lists are exactly the ones
-//!   the backend gives a meaning to, and each one, answered for real, comes out as success
-//!   or as a typed error carrying the body's error chain;
+//! - for every endpoint the backend uses, the statuses it gives a meaning to are the ones
+//!   the spec lists and those NOTES.md records a real Cloud Hypervisor answering beyond it
+//!   (200 from `vmm.shutdown`, 500 for refusals), and each one, answered for real, comes out
+//!   as success or as a typed error carrying the body's error chain;
+//! - where the notes and the spec differ, the backend acts as the real server needs: its
+//!   shutdown's 200 is success, a 500 refusal is `Refused` (or `NotFound` when it says there
+//!   is no VM), a failed migration quotes the VMM's log, a VMM that dies mid-migration is
+//!   noticed at once, and a destination a failed receive left `Created` receives again;
 //! - the bodies the stand-in answers with validate against the spec's response schemas, so
 //!   it cannot drift from what Cloud Hypervisor sends.
 
@@ -17,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdmamig_testbed::ch_spec::{
-    append_event, check_against_spec, endpoint_of, operation, response_schema, spec_body,
+    append_event, check_against_spec, endpoint_of, operation, refusal, response_schema, spec_body,
     spec_statuses, successful, validate, vm_info, FakeCh,
 };
 use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
@@ -58,17 +63,35 @@ fn the_checker_rejects_what_the_spec_rejects() {
 }
 
 #[test]
-fn every_endpoint_is_in_the_spec_with_exactly_the_statuses_the_backend_handles() {
+fn every_endpoint_is_in_the_spec_and_handles_its_statuses_and_the_observed_ones() {
+    let notes = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/cloud-hypervisor/NOTES.md"),
+    )
+    .expect("../shared/cloud-hypervisor/NOTES.md");
     for endpoint in Endpoint::ALL {
+        let what = format!("{} {}", endpoint.method(), endpoint.path());
         let listed = spec_statuses(endpoint);
-        let handled: BTreeSet<u16> = endpoint.statuses().iter().copied().collect();
+        let declared: BTreeSet<u16> = endpoint.spec_statuses().iter().copied().collect();
         assert_eq!(
-            listed,
-            handled,
-            "{} {}: statuses in the spec vs handled by the backend",
-            endpoint.method(),
-            endpoint.path()
+            listed, declared,
+            "{what}: the spec's statuses vs the backend's copy"
         );
+        let handled: BTreeSet<u16> = endpoint.statuses().into_iter().collect();
+        let mut expected = listed.clone();
+        expected.extend(endpoint.observed_statuses());
+        assert_eq!(handled, expected, "{what}: statuses handled by the backend");
+        // Each status beyond the spec is one the notes record a real server answering.
+        for status in endpoint.observed_statuses() {
+            let recorded = match (endpoint, status) {
+                (Endpoint::VmmShutdown, 200) => {
+                    notes.contains("`PUT /api/v1/vmm.shutdown` answers 200")
+                }
+                (_, 500) => notes.contains("Refusals come as 500"),
+                _ => false,
+            };
+            assert!(recorded, "{what}: {status} is not in NOTES.md");
+        }
     }
 }
 
@@ -111,7 +134,7 @@ async fn every_status_the_spec_lists_is_handled_with_its_message() {
     let client = ApiClient::new(fake.socket(), Duration::from_secs(5));
     let mut checked = 0;
     for endpoint in Endpoint::ALL {
-        for status in spec_statuses(endpoint) {
+        for status in endpoint.statuses() {
             *answer.lock().unwrap() = status;
             let request = sample_request(endpoint);
             let result = client.call(endpoint, request.as_ref()).await;
@@ -141,7 +164,7 @@ async fn every_status_the_spec_lists_is_handled_with_its_message() {
                             &format!("Error from API: marker {status}"),
                             "{what}: the error chain is carried"
                         );
-                        assert_eq!(Some(*outcome), classify(endpoint, status));
+                        assert_eq!(Some(*outcome), classify(endpoint, status, message));
                     }
                     other => panic!("{what}: not a status error: {other}"),
                 }
@@ -410,7 +433,8 @@ async fn a_migration_the_receiver_failed_or_never_got_is_not_confirmed() {
             500,
             br#"["Error from API","Error receiving migration","Socket error","failed to fill whole buffer"]"#.to_vec(),
         ),
-        "/vm.info" => (404, spec_body(Endpoint::VmInfo, 404)),
+        // What a real destination shows after a failed receive (NOTES.md).
+        "/vm.info" => (200, vm_info("Created", &[])),
         _ => successful(path, body),
     }
     });
@@ -512,4 +536,164 @@ async fn errors_name_the_object_and_a_dead_socket_is_a_connect_error() {
         ChVmm::connect(missing).await.unwrap_err(),
         VmmError::Connect { .. }
     ));
+}
+
+// ---------------------------------------------------------------------------------------
+// Where a real Cloud Hypervisor answers otherwise than its spec (NOTES.md)
+
+#[tokio::test]
+async fn a_shutdown_answered_200_as_the_real_server_does_is_success() {
+    let fake = FakeCh::start(successful);
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    vmm.quit().await.unwrap();
+    assert!(fake
+        .recorded()
+        .iter()
+        .any(|r| r.path.ends_with("/vmm.shutdown")));
+}
+
+#[tokio::test]
+async fn refusals_sent_as_500_are_refusals_or_a_missing_vm() {
+    let fake = FakeCh::start(|path, body| match path {
+        "/vm.pause" => refusal(&[
+            "Error from API",
+            "The VM could not be paused",
+            "InvalidStateTransition(Paused, Paused)",
+        ]),
+        "/vm.resume" => refusal(&[
+            "Error from API",
+            "The VM could not be resumed",
+            "InvalidStateTransition(Running, Running)",
+        ]),
+        "/vm.remove-device" => refusal(&["Error from API", "VM is not running"]),
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let paused = vmm.pause().await.unwrap_err();
+    assert!(
+        matches!(&paused, VmmError::Refused { class, message, .. }
+            if class == "HTTP 500" && message.contains("InvalidStateTransition(Paused, Paused)")),
+        "{paused}"
+    );
+    let running = vmm.resume().await.unwrap_err();
+    assert!(
+        matches!(&running, VmmError::Refused { message, .. } if message.contains("(Running, Running)")),
+        "{running}"
+    );
+    let none = vmm
+        .remove_device("vf0", Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&none, VmmError::NotFound { message, .. } if message.contains("VM is not running")),
+        "{none}"
+    );
+    check_against_spec(&fake.recorded());
+}
+
+#[tokio::test]
+async fn a_failed_migration_quotes_the_end_of_the_vmm_log() {
+    let fake = FakeCh::start(successful);
+    let events = fake.path("events.json");
+    let log = fake.path("ch.log");
+    std::fs::write(
+        &log,
+        "cloud-hypervisor: 1.2s: <vmm> INFO:vmm/src/lib.rs: Migration started\n\
+         cloud-hypervisor: 1.3s: <vmm> ERROR:vmm/src/lib.rs: Could not get vCPU state \
+         GetNestedState(Invalid argument (os error 22))\n",
+    )
+    .unwrap();
+    let mut config = fake.config();
+    config.event_monitor = Some(events.clone());
+    config.log_file = Some(log);
+    let vmm = ChVmm::connect(config).await.unwrap();
+    vmm.send_migration("unix:/dst", &MigrationLimits::default())
+        .await
+        .unwrap();
+    append_event(&events, "migration-started");
+    append_event(&events, "migration-failed");
+    let mut ignore = |_: &rdmamig_vmm::MigrationProgress| {};
+    let err = vmm
+        .wait_migration(Duration::from_secs(5), &mut ignore)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, VmmError::MigrationFailed { reason, .. }
+            if reason.contains("GetNestedState(Invalid argument (os error 22))")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_vmm_that_dies_during_a_migration_is_noticed_at_once_and_named() {
+    let events_dir = tempfile::tempdir().unwrap();
+    let events = events_dir.path().join("events.json");
+    append_event(&events, "migration-finished");
+    let fake = FakeCh::start(successful);
+    let socket = fake.socket();
+    let mut config = fake.config();
+    config.event_monitor = Some(events.clone());
+    let vmm = ChVmm::connect(config).await.unwrap();
+    vmm.send_migration("unix:/dst", &MigrationLimits::default())
+        .await
+        .unwrap();
+    append_event(&events, "migration-started");
+    // The VMM dies: its API socket goes, its event file just stops growing.
+    drop(fake);
+    let started = std::time::Instant::now();
+    let mut ignore = |_: &rdmamig_vmm::MigrationProgress| {};
+    let err = vmm
+        .wait_migration(Duration::from_secs(60), &mut ignore)
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "noticed only after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(&err, VmmError::Died { socket: named, .. } if named == &socket.display().to_string()),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_destination_a_failed_receive_left_created_receives_again() {
+    let deleted = Arc::new(Mutex::new(false));
+    let flag = deleted.clone();
+    let fake = FakeCh::start(move |path, body| match path {
+        "/vm.info" if !*flag.lock().unwrap() => (200, vm_info("Created", &[])),
+        "/vm.info" => (404, spec_body(Endpoint::VmInfo, 404)),
+        "/vm.delete" => {
+            *flag.lock().unwrap() = true;
+            successful(path, body)
+        }
+        _ => successful(path, body),
+    });
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let status = vmm.status().await.unwrap();
+    assert_eq!(status.phase, VmPhase::NoVm, "{status:?}");
+    assert_eq!(status.state, "Created");
+    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    // The receive request goes from a task of its own (it stays open until the end).
+    let sent = |paths: &[String]| paths.iter().any(|p| p.ends_with("/vm.receive-migration"));
+    let mut paths: Vec<String> = Vec::new();
+    for _ in 0..200 {
+        paths = fake.recorded().into_iter().map(|r| r.path).collect();
+        if sent(&paths) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let delete = paths.iter().position(|p| p.ends_with("/vm.delete"));
+    let receive = paths
+        .iter()
+        .position(|p| p.ends_with("/vm.receive-migration"));
+    assert!(
+        matches!((delete, receive), (Some(d), Some(r)) if d < r),
+        "the Created VM was not deleted before the receive: {paths:?}"
+    );
+    // And it can be discarded: the real server's 200 from vmm.shutdown.
+    vmm.quit().await.unwrap();
+    check_against_spec(&fake.recorded());
 }

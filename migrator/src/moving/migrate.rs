@@ -37,6 +37,9 @@ impl Mover {
             .await
         {
             Ok(done) => done,
+            Err(failed @ VmmError::MigrationFailed { .. }) => {
+                return Err(self.with_receivers_word(failed).await)
+            }
             Err(e) => {
                 if e.is_timeout() {
                     self.force(
@@ -103,5 +106,30 @@ impl Mover {
         details.insert("migrated_by".into(), "workflow".into());
         details.insert("confirm_ms".into(), millis(start.elapsed()).into());
         Ok(Finished::ok(details))
+    }
+
+    /// A failed migration, with what the receiving VMM said when this host holds its
+    /// receive: Cloud Hypervisor's `migration-failed` event names no cause, and the
+    /// receiver's error chain often does (NOTES.md).
+    async fn with_receivers_word(&mut self, failed: VmmError) -> StepError {
+        let VmmError::MigrationFailed { status, reason } = failed else {
+            return failed.into();
+        };
+        let said = match (self.destination(), self.destination_endpoint()) {
+            (Ok(destination), Ok(endpoint)) => destination
+                .confirm_received(&endpoint, RECEIVERS_WORD)
+                .await
+                .err(),
+            _ => None,
+        };
+        let reason = match said {
+            Some(StepError::Vmm(VmmError::MigrationFailed { reason: said, .. }))
+                if !reason.contains(&said) =>
+            {
+                format!("{reason}; the receiver: {said}")
+            }
+            _ => reason,
+        };
+        VmmError::MigrationFailed { status, reason }.into()
     }
 }

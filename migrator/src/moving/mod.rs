@@ -81,6 +81,9 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
 /// Time a process signalled by the forced release has between SIGTERM and SIGKILL.
 const RELEASE_GRACE: Duration = Duration::from_millis(1000);
 
+/// How long a failed migration waits for the receiver's word on why.
+const RECEIVERS_WORD: Duration = Duration::from_secs(2);
+
 /// How often a rollback polls the source while a cancelled migration winds down.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
 
