@@ -227,8 +227,6 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
         .arg(daemon.socket())
         .arg("--report")
         .arg(&report)
-        .arg("--rdmamig")
-        .arg(bin_dir().join("rdmamig"))
         .output()?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);

@@ -1,5 +1,6 @@
 //! Phase `quiesce`: the agent quiesces every connection (a silent agent or a failed
-//! connection is a forced path, and the move goes on).
+//! connection is a forced path, and the move goes on). The guest's answer is not believed
+//! beyond what it says: a listed connection it leaves out was not quiesced.
 
 use super::*;
 
@@ -23,7 +24,7 @@ impl Mover {
                 result
             }
         };
-        let result = match result {
+        let mut result = match result {
             Ok(result) => result,
             Err(e) => {
                 // The agent is silent or broken: the move goes on, and every connection
@@ -42,7 +43,18 @@ impl Mover {
                 });
             }
         };
-        let details = self.record_outcomes(&result, "quiesced");
+        let mut details = self.record_outcomes(&result, "quiesced");
+        for id in &ids {
+            if !result.outcomes.iter().any(|o| o.id == *id) {
+                result.outcomes.push(ConnectionOutcome {
+                    id: *id,
+                    ok: false,
+                    elapsed_ms: 0,
+                    error: Some("the agent's answer left it out: not quiesced".into()),
+                });
+            }
+        }
+        details.insert("failed".into(), result.failed().count().into());
         let failed: Vec<String> = result
             .failed()
             .map(|f| {

@@ -885,3 +885,22 @@ async fn a_post_migrate_on_another_host_never_takes_its_own_vmm_for_the_source()
         "the source was touched: {calls:?}"
     );
 }
+
+#[tokio::test]
+async fn a_connection_the_agent_leaves_out_of_its_quiesce_answer_was_not_quiesced() {
+    let bed = Bed::new();
+    bed.host.fail("agent.quiesce", Fault::LeavesOut);
+    let report = bed.run(plan()).await;
+    assert!(report.ok, "{report:#?}");
+    let left_out = report.quiesce.iter().find(|o| o.id == 12).unwrap();
+    assert!(!left_out.ok, "{left_out:?}");
+    assert!(
+        left_out.error.as_deref().unwrap().contains("left it out"),
+        "{left_out:?}"
+    );
+    assert_eq!(report.forced.len(), 1, "{:?}", report.forced);
+    assert_eq!(report.forced[0].phase, Phase::Quiesce);
+    let quiesce = &report.timeline.phases[1];
+    assert_eq!(quiesce.details["failed"], 1);
+    assert!(matches!(quiesce.outcome, PhaseOutcome::Forced { .. }));
+}
