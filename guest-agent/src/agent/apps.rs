@@ -5,18 +5,30 @@
 //! ([`AgentToApp`]) and waits, with a deadline, for the one reply each request gets. A
 //! process that disconnects is forgotten at once; one that does not answer in time is
 //! reported per connection, using the connections it last described.
+//!
+//! The socket is a trust boundary inside the guest: any local process that may open it can
+//! talk to the agent, and a registered process is asked to quiesce rather than ended at a
+//! forced release. So:
+//! - its mode and group are the operator's ([`SocketAccess`]; default 0660, the agent's
+//!   group), not open to every user;
+//! - a `Hello` is believed only for the process that sends it: the pid it names must be
+//!   the connecting process's, as the kernel tells it (SO_PEERCRED); another is refused;
+//! - a connection has [`HELLO_TIMEOUT`] to say `Hello`, and at most
+//!   [`MAX_UNREGISTERED`] connections may be waiting to, so that silent connections
+//!   cannot take the agent's threads or descriptors.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
@@ -47,7 +59,43 @@ pub enum AppsError {
         #[source]
         source: std::io::Error,
     },
+    /// The socket's mode or group could not be set.
+    #[error("cannot set the mode {mode:o} or group of the application socket {path}")]
+    Access {
+        /// The socket path.
+        path: String,
+        /// The mode asked for.
+        mode: u32,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
+
+/// Who may open the application socket: its mode, and the group that owns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketAccess {
+    /// The socket file's permission bits.
+    pub mode: u32,
+    /// The group that owns it (`None`: the agent's own).
+    pub group: Option<u32>,
+}
+
+impl Default for SocketAccess {
+    /// 0660 with the agent's group: the agent's user and group, not every user.
+    fn default() -> Self {
+        SocketAccess {
+            mode: 0o660,
+            group: None,
+        }
+    }
+}
+
+/// How long a new connection has to say `Hello`.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Largest number of connections waiting to say `Hello`; more are refused at once.
+pub const MAX_UNREGISTERED: usize = 32;
 
 /// Why one application did not answer a request.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -88,6 +136,8 @@ struct App {
 #[derive(Clone, Default)]
 pub struct Apps {
     apps: Arc<Mutex<HashMap<u64, Arc<App>>>>,
+    /// Connections accepted that have not said `Hello` yet.
+    unregistered: Arc<AtomicUsize>,
     next_app: Arc<AtomicU64>,
     next_request: Arc<AtomicU64>,
 }
@@ -102,8 +152,9 @@ impl Apps {
         Self::default()
     }
 
-    /// Binds `path` (replacing a stale socket) and serves registrations on a thread.
-    pub fn listen(&self, path: &Path) -> Result<(), AppsError> {
+    /// Binds `path` (replacing a stale socket) with `access`, and serves registrations on a
+    /// thread.
+    pub fn listen(&self, path: &Path, access: SocketAccess) -> Result<(), AppsError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| AppsError::CreateDir {
                 path: dir.display().to_string(),
@@ -115,8 +166,14 @@ impl Apps {
             path: path.display().to_string(),
             source,
         })?;
-        // Applications run as any user in the guest; the agent decides what they may do.
-        let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666));
+        let restrict = std::os::unix::fs::chown(path, None, access.group).and_then(|()| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
+        });
+        restrict.map_err(|source| AppsError::Access {
+            path: path.display().to_string(),
+            mode: access.mode,
+            source,
+        })?;
         let apps = self.clone();
         thread::Builder::new()
             .name("apps-listener".into())
@@ -132,18 +189,33 @@ impl Apps {
         Ok(())
     }
 
-    /// Takes a new application connection and starts reading it.
+    /// Takes a new application connection and starts reading it, unless too many are
+    /// registered or waiting to.
     fn admit(&self, stream: UnixStream) {
         if self.apps.lock().unwrap().len() >= MAX_APPS {
             warn!("refusing an application: {MAX_APPS} already registered");
             return;
         }
+        if self.unregistered.fetch_add(1, Ordering::AcqRel) >= MAX_UNREGISTERED {
+            self.unregistered.fetch_sub(1, Ordering::AcqRel);
+            warn!("refusing a connection: {MAX_UNREGISTERED} are waiting to say Hello");
+            return;
+        }
+        if let Err(e) = stream.set_read_timeout(Some(HELLO_TIMEOUT)) {
+            self.unregistered.fetch_sub(1, Ordering::AcqRel);
+            warn!("refusing a connection: cannot bound its wait for Hello: {e}");
+            return;
+        }
         let apps = self.clone();
-        thread::spawn(move || apps.serve_app(stream));
+        thread::spawn(move || {
+            let mut waiting = Waiting(Some(apps.unregistered.clone()));
+            apps.serve_app(stream, &mut waiting);
+        });
     }
 
-    /// Reads one application's messages until it disconnects.
-    fn serve_app(&self, mut stream: UnixStream) {
+    /// Reads one application's messages until it disconnects; `waiting` counts it among
+    /// the unregistered until its `Hello` is accepted.
+    fn serve_app(&self, mut stream: UnixStream, waiting: &mut Waiting) {
         let Ok(writer) = stream.try_clone() else {
             return;
         };
@@ -164,6 +236,16 @@ impl Apps {
                 };
                 match message {
                     Ok(AppToAgent::Hello { pid, program }) if app.is_none() => {
+                        if let Err(refused) = check_sender(&stream, pid) {
+                            warn!(pid, "Hello refused: {refused}");
+                            refuse(&writer, &app, refused.to_string());
+                            return;
+                        }
+                        // Registered: no longer bounded as a silent connection.
+                        if stream.set_read_timeout(None).is_err() {
+                            return;
+                        }
+                        waiting.registered();
                         let key = self.next_app.fetch_add(1, Ordering::Relaxed);
                         let entry = Arc::new(App {
                             pid,
@@ -304,6 +386,52 @@ impl Apps {
     }
 }
 
+/// Counts a connection among those waiting to say `Hello` until it registers or ends.
+struct Waiting(Option<Arc<AtomicUsize>>);
+
+impl Waiting {
+    /// The connection said `Hello`: it no longer counts.
+    fn registered(&mut self) {
+        if let Some(count) = self.0.take() {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.registered();
+    }
+}
+
+/// Why a `Hello` was refused.
+#[derive(Debug, Error)]
+pub enum HelloRefused {
+    /// The kernel could not say which process is connected.
+    #[error("cannot tell which process is connected")]
+    Credentials(#[source] nix::Error),
+    /// The `Hello` names another process than the one connected.
+    #[error("the Hello names PID {named}, but the connecting process is PID {actual}")]
+    NotItsPid {
+        /// The pid the `Hello` gives.
+        named: u32,
+        /// The connecting process's.
+        actual: i32,
+    },
+}
+
+/// Whether the process at the other end of `stream` is `pid`, as the kernel says
+/// (SO_PEERCRED).
+fn check_sender(stream: &UnixStream, pid: u32) -> Result<(), HelloRefused> {
+    let actual = getsockopt(stream, PeerCredentials)
+        .map_err(HelloRefused::Credentials)?
+        .pid();
+    if u32::try_from(actual).ok() != Some(pid) {
+        return Err(HelloRefused::NotItsPid { named: pid, actual });
+    }
+    Ok(())
+}
+
 /// Answers something unusable with [`AgentToApp::Refused`], through the registered app's
 /// writer (so the answer cannot interleave with a request) or the bare socket before Hello.
 fn refuse(socket: &UnixStream, app: &Option<(u64, Arc<App>)>, reason: String) {
@@ -358,7 +486,7 @@ mod tests {
         let mut stream = UnixStream::connect(path).unwrap();
         stream
             .write_all(&Frame::encode(&AppToAgent::Hello {
-                pid: 7,
+                pid: std::process::id(),
                 program: "test".into(),
             }))
             .unwrap();
@@ -383,7 +511,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.sock");
         let apps = Apps::new();
-        apps.listen(&path).unwrap();
+        apps.listen(&path, SocketAccess::default()).unwrap();
         client(&path, answer);
         let end = Instant::now() + Duration::from_secs(5);
         while apps.snapshot().is_empty() && Instant::now() < end {
@@ -479,7 +607,7 @@ mod tests {
         s.write_all(&bad).unwrap();
         refused(answer(&mut s), "malformed");
         s.write_all(&Frame::encode(&AppToAgent::Hello {
-            pid: 8,
+            pid: std::process::id(),
             program: "late".into(),
         }))
         .unwrap();
@@ -532,5 +660,64 @@ mod tests {
             .as_ref()
             .unwrap()
             .contains("did not answer"));
+    }
+
+    #[test]
+    fn a_hello_that_names_another_process_is_refused() {
+        let (apps, dir) = registry_with(|_| None);
+        let before = apps.snapshot().len();
+        let mut s = UnixStream::connect(dir.path().join("agent.sock")).unwrap();
+        s.write_all(&Frame::encode(&AppToAgent::Hello {
+            pid: 1,
+            program: "impostor".into(),
+        }))
+        .unwrap();
+        refused(
+            answer(&mut s),
+            "the Hello names PID 1, but the connecting process is PID",
+        );
+        assert_eq!(answer(&mut s), None, "the impostor's socket was not closed");
+        assert_eq!(apps.snapshot().len(), before, "the impostor was registered");
+        assert!(!apps.pids().contains(&1));
+    }
+
+    #[test]
+    fn silent_connections_are_bounded_in_number_and_in_time() {
+        let (apps, dir) = registry_with(|_| None);
+        let path = dir.path().join("agent.sock");
+        let silent: Vec<UnixStream> = (0..MAX_UNREGISTERED)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        // Until they are counted, a newcomer may still get in: wait for the count.
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.unregistered.load(Ordering::Acquire) < MAX_UNREGISTERED && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        let mut one_too_many = UnixStream::connect(&path).unwrap();
+        one_too_many
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            one_too_many.read(&mut byte).unwrap(),
+            0,
+            "a connection past the bound was not closed at once"
+        );
+        // The silent ones are closed once their time to say Hello is up.
+        let started = Instant::now();
+        for mut stream in silent {
+            stream
+                .set_read_timeout(Some(HELLO_TIMEOUT + Duration::from_secs(5)))
+                .unwrap();
+            assert_eq!(stream.read(&mut byte).unwrap_or(0), 0);
+        }
+        assert!(started.elapsed() < HELLO_TIMEOUT + Duration::from_secs(5));
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.unregistered.load(Ordering::Acquire) > 0 && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(apps.unregistered.load(Ordering::Acquire), 0);
+        // The registered application is still served.
+        assert_eq!(apps.snapshot().len(), 1);
     }
 }

@@ -28,6 +28,10 @@ use apps::Apps;
 /// Part of each deadline kept back so the answer reaches the host before the host's own
 /// deadline passes.
 const ANSWER_MARGIN: Duration = Duration::from_millis(200);
+
+/// The longest deadline the host may give a step (a day, as the migrator's own bound):
+/// larger values are clamped, so no number from the host can overflow the agent's clock.
+pub const MAX_HOST_DEADLINE_MS: u64 = 24 * 3600 * 1000;
 /// Longest time spent asking processes to describe their connections. A process that has
 /// not answered by then is left out of the list (or described as it last was), so this is
 /// generous: on a loaded single-vCPU guest with hundreds of threads (`many`'s 64
@@ -100,7 +104,7 @@ impl Agent {
                     &self.apps,
                     &self.proc_root,
                     scope,
-                    Duration::from_millis(grace_ms),
+                    Duration::from_millis(grace_ms.min(MAX_HOST_DEADLINE_MS)),
                     deadline,
                 );
                 info!(?holders, "forced release of the RDMA device");
@@ -135,7 +139,9 @@ impl Agent {
 }
 
 fn deadline_from(start: Instant, deadline_ms: u64) -> Instant {
-    start + Duration::from_millis(deadline_ms).saturating_sub(ANSWER_MARGIN)
+    // The host's number is not trusted to fit: past the bound it is the bound.
+    let asked = Duration::from_millis(deadline_ms.min(MAX_HOST_DEADLINE_MS));
+    start + asked.saturating_sub(ANSWER_MARGIN)
 }
 
 fn remaining_ms(deadline: Instant) -> u64 {
@@ -234,5 +240,21 @@ mod tests {
             AgentResult::Outcomes { outcomes, .. } => assert!(outcomes.is_empty()),
             other => panic!("expected outcomes, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn numbers_from_the_host_past_any_bound_are_clamped_not_a_panic() {
+        let (agent, _sysfs) = agent();
+        // (A release is not run here: this agent's /proc is the test machine's.)
+        let result = agent.handle(AgentCommand::Quiesce {
+            deadline_ms: u64::MAX,
+            bridge: false,
+        });
+        assert!(matches!(result, AgentResult::Outcomes { .. }), "{result:?}");
+        let start = Instant::now();
+        assert_eq!(
+            deadline_from(start, u64::MAX),
+            deadline_from(start, MAX_HOST_DEADLINE_MS)
+        );
     }
 }

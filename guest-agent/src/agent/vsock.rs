@@ -7,12 +7,19 @@
 //! port, a vsock connection has a real end: EOF means that host is gone, and the next host
 //! (the destination's, after a migration) connects anew. Each connection is served on its
 //! own thread so that a host that keeps a dead connection open blocks no other.
+//!
+//! Only the host may connect: the channel can ask the agent to release the device, which
+//! ends processes. The listener binds any CID (the host reaches the guest at the guest's
+//! own CID), so every connection's peer is checked: the host is `VMADDR_CID_HOST` (2); a
+//! process in the guest dialing the port over vsock loopback (CID 1) or another VM is
+//! refused and closed at once, and the refusal logged.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use nix::sys::socket::{
-    accept, bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, VsockAddr,
+    accept, bind, getpeername, listen, socket, AddressFamily, Backlog, SockFlag, SockType,
+    VsockAddr,
 };
 use thiserror::Error;
 use tracing::{info, warn};
@@ -83,11 +90,48 @@ impl VsockListener {
             // SAFETY: accept() just returned `raw` as a new descriptor that nothing else
             // owns; the File takes sole ownership and closes it once.
             let mut stream = File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+            let peer = getpeername::<VsockAddr>(stream.as_raw_fd()).map(|addr| addr.cid());
+            match peer {
+                Ok(cid) if is_host(cid) => {}
+                Ok(cid) => {
+                    warn!(
+                        port = self.port,
+                        cid, "refused a vsock connection that is not the host's (CID 2)"
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    warn!(
+                        port = self.port,
+                        "refused a vsock connection of unknown peer: {e}"
+                    );
+                    continue;
+                }
+            }
             info!(port = self.port, "host connected over vsock");
             scope.spawn(move || {
                 host::serve(&mut stream, agent, OnEof::Stop);
                 info!("vsock host disconnected");
             });
         })
+    }
+}
+
+/// Whether a vsock peer is the host: only `VMADDR_CID_HOST` is (not the guest itself over
+/// loopback, `VMADDR_CID_LOCAL`, and not another VM).
+pub fn is_host(cid: u32) -> bool {
+    cid == libc::VMADDR_CID_HOST
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_host_may_connect() {
+        assert!(is_host(2));
+        for cid in [0, 1, 3, 42, u32::MAX] {
+            assert!(!is_host(cid), "CID {cid}");
+        }
     }
 }

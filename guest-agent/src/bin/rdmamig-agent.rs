@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use rdmamig_guest::agent::{apps::Apps, device, host, vsock, Agent};
+use rdmamig_guest::agent::apps::{Apps, SocketAccess};
+use rdmamig_guest::agent::{device, host, vsock, Agent};
 use rdmamig_proto::app::DEFAULT_AGENT_SOCKET;
 use tracing::{error, info};
 
@@ -41,10 +42,18 @@ struct Args {
     /// UNIX socket where applications register.
     #[arg(long, default_value = DEFAULT_AGENT_SOCKET)]
     app_socket: PathBuf,
+    /// The application socket's mode, in octal: who may register with the agent (a
+    /// registered process is asked to quiesce instead of being ended at a forced release).
+    #[arg(long, default_value = "660", value_parser = octal_mode)]
+    app_socket_mode: u32,
+    /// The group (numeric GID) that owns the application socket, so that its members may
+    /// register (default: the agent's group).
+    #[arg(long, value_name = "GID")]
+    app_socket_group: Option<u32>,
     /// How long to wait at start for the virtio-serial port to appear.
     #[arg(long, default_value = "30", value_name = "SECONDS")]
     port_wait: u64,
-    /// Also serve the host on this AF_VSOCK port (any CID).
+    /// Also serve the host on this AF_VSOCK port (the host only: CID 2).
     #[arg(long, value_name = "PORT")]
     vsock_port: Option<u32>,
 }
@@ -59,7 +68,11 @@ fn main() -> ExitCode {
     let args = Args::parse();
 
     let apps = Apps::new();
-    if let Err(e) = apps.listen(&args.app_socket) {
+    let access = SocketAccess {
+        mode: args.app_socket_mode,
+        group: args.app_socket_group,
+    };
+    if let Err(e) = apps.listen(&args.app_socket, access) {
         error!("{}", error_chain(&e));
         return ExitCode::FAILURE;
     }
@@ -95,4 +108,17 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// A `--app-socket-mode` that is not one.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:?} is not a file mode in octal (such as 660)")]
+struct NotAMode(String);
+
+/// A file mode in octal (`660`, `0660`), at most 0777.
+fn octal_mode(text: &str) -> Result<u32, NotAMode> {
+    match u32::from_str_radix(text, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        _ => Err(NotAMode(text.into())),
+    }
 }
