@@ -41,13 +41,25 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
     g.start_flow(TAG, "--rate 200")?;
     std::thread::sleep(Duration::from_secs(1));
 
-    let out = g.src.run_ok("rdmamig-traffic probe-agent", STEP_TIMEOUT)?;
+    // The flow's own process is a library user: the probe says Hello in its name.
+    let user = g.src.run_ok(&format!("cat /tmp/{TAG}.pid"), STEP_TIMEOUT)?;
+    let user = user.trim().to_string();
+    assert!(
+        user.parse::<u32>().is_ok(),
+        "no library user found: {user:?}"
+    );
+    let out = g.src.run_ok(
+        &format!("rdmamig-traffic probe-agent --impersonate {user}"),
+        STEP_TIMEOUT,
+    )?;
     eprintln!("probe-agent: {out}");
     let answers: Value = serde_json::from_str(out.trim())?;
+    let impostor = format!("the Hello names PID {user}, but the connecting process is PID");
     for (probe, names, closed) in [
         ("bad_message", "malformed message", false),
         ("oversized", "exceeds the limit", true),
         ("garbage", "bad frame magic", true),
+        ("impostor", impostor.as_str(), true),
     ] {
         let a = answers
             .as_array()

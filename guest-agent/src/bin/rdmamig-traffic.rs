@@ -80,12 +80,16 @@ enum Cmd {
     },
     /// Send bad input to the agent's application socket, each on a new connection: a frame
     /// whose payload is not a message, a frame header announcing an oversized payload, and
-    /// bytes that are not a frame at all. Prints, as JSON, how the agent answered each and
-    /// whether it then closed that socket.
+    /// bytes that are not a frame at all; with --impersonate, also a Hello that names
+    /// another process's PID. Prints, as JSON, how the agent answered each and whether it
+    /// then closed that socket.
     ProbeAgent {
         /// The agent's application socket.
         #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
         socket: PathBuf,
+        /// Also say Hello as this process (a library user's PID), which is not this one.
+        #[arg(long, value_name = "PID")]
+        impersonate: Option<u32>,
     },
     /// A slow application, for the test bed: register with the agent like the library does,
     /// answer Describe and Resume for no connections, and on a Quiesce create --marker and
@@ -211,7 +215,10 @@ fn main() {
             wait_ms,
             op,
         } => ctl(&socket, &op, deadline_ms, wait_ms),
-        Cmd::ProbeAgent { socket } => match probe_agent(&socket) {
+        Cmd::ProbeAgent {
+            socket,
+            impersonate,
+        } => match probe_agent(&socket, impersonate) {
             Ok(json) => {
                 println!("{json}");
                 0
@@ -412,7 +419,7 @@ fn ctl_inner(
 }
 
 /// See `Cmd::ProbeAgent`.
-fn probe_agent(socket: &std::path::Path) -> Result<String, ToolError> {
+fn probe_agent(socket: &std::path::Path, impersonate: Option<u32>) -> Result<String, ToolError> {
     let header = |len: u32| {
         let mut b = rdmamig_proto::frame::MAGIC.to_vec();
         b.push(rdmamig_proto::PROTOCOL_VERSION);
@@ -421,11 +428,18 @@ fn probe_agent(socket: &std::path::Path) -> Result<String, ToolError> {
     };
     let mut bad_message = header(5);
     bad_message.extend_from_slice(b"{oops");
-    let probes: [(&str, Vec<u8>); 3] = [
+    let mut probes: Vec<(&str, Vec<u8>)> = vec![
         ("bad_message", bad_message),
         ("oversized", header(u32::MAX)),
         ("garbage", b"GET / HTTP/1.0\r\n\r\n".to_vec()),
     ];
+    if let Some(pid) = impersonate {
+        let hello = AppToAgent::Hello {
+            pid,
+            program: "impostor".into(),
+        };
+        probes.push(("impostor", Frame::encode(&hello)));
+    }
     let mut results = Vec::new();
     for (name, bytes) in probes {
         let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(|source| {
