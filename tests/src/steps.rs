@@ -271,6 +271,9 @@ pub fn migrate_command_as(socket: &Path, vm: &str, src: &Guest, dst: &Guest) -> 
     command
 }
 
+/// The port the peer serves a [`MoveGuests::start_flow`] on.
+pub const FLOW_PORT: u16 = 7471;
+
 /// What a move needs on the test bed: a peer, the VM that moves, and its `-incoming`
 /// destination (same address and MAC, no NIC yet).
 pub struct MoveGuests {
@@ -301,7 +304,7 @@ impl MoveGuests {
         Ok(MoveGuests { peer, src, dst })
     }
 
-    /// Starts traffic `tag` both ways between the peer (serving on port 7471) and the
+    /// Starts traffic `tag` both ways between the peer (serving on [`FLOW_PORT`]) and the
     /// moving VM, with `args` added on both sides, and waits until both are connected.
     pub fn start_flow(&self, tag: &str, args: &str) -> StepResult<()> {
         self.start_flow_sides(tag, args, args)
@@ -310,7 +313,7 @@ impl MoveGuests {
     /// [`MoveGuests::start_flow`] with `peer_args` added on the peer and `mover_args` on
     /// the moving VM.
     pub fn start_flow_sides(&self, tag: &str, peer_args: &str, mover_args: &str) -> StepResult<()> {
-        let server = format!("{}:7471", self.peer.spec().address());
+        let server = format!("{}:{FLOW_PORT}", self.peer.spec().address());
         start_traffic(
             &self.peer,
             tag,

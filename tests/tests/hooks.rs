@@ -19,7 +19,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{self, StepResult};
+use rdmamig_testbed::steps::{self, MoveGuests, StepResult};
 use rdmamig_testbed::{bin_dir, error_chain, Guest, Testbed};
 use serde_json::{json, Value};
 
@@ -99,34 +99,23 @@ fn run(
     move_vm: impl FnOnce(&Testbed, &Guest, &Guest) -> StepResult<()>,
 ) -> StepResult<()> {
     let bed = Testbed::new(name)?;
-    let peer_spec = bed.guest_spec("peer")?;
-    let src_spec = bed.guest_spec("src")?;
-    let dst_spec = bed.incoming_spec(&src_spec, "dst")?;
-    let (peer, src) = std::thread::scope(|s| {
-        let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-        let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-        (peer.join().expect("boot"), src.join().expect("boot"))
-    });
-    let (peer, src) = (peer?, src?);
-    let dst = bed.start_incoming(dst_spec)?;
+    let g = MoveGuests::start(&bed, name)?;
     let result = (|| {
-        let server = format!("{}:{PORT}", peer_spec.address());
-        let bridge = format!("{}:{PORT}", peer_spec.permanent_address());
-        let mode = format!("--mode migratable --rate {RATE} --bridge {bridge}");
-        steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
-        steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
-        steps::wait_ready(&peer, "h")?;
-        steps::wait_ready(&src, "h")?;
+        let bridge = format!("{}:{}", g.peer.spec().permanent_address(), steps::FLOW_PORT);
+        g.start_flow(
+            "h",
+            &format!("--mode migratable --rate {RATE} --bridge {bridge}"),
+        )?;
         std::thread::sleep(Duration::from_secs(2));
 
-        move_vm(&bed, &src, &dst)?;
-        src.kill();
-        dst.reattach_console()?;
+        move_vm(&bed, &g.src, &g.dst)?;
+        g.src.kill();
+        g.dst.reattach_console()?;
         std::thread::sleep(Duration::from_secs(3));
-        steps::stop_traffic(&dst, "h")?;
-        steps::stop_traffic(&peer, "h")?;
-        let moved = steps::collect_report(&dst, "h")?;
-        let peer_report = steps::collect_report(&peer, "h")?;
+        steps::stop_traffic(&g.dst, "h")?;
+        steps::stop_traffic(&g.peer, "h")?;
+        let moved = steps::collect_report(&g.dst, "h")?;
+        let peer_report = steps::collect_report(&g.peer, "h")?;
         eprintln!("peer received: {peer_report:?}\nmoved VM received: {moved:?}");
         steps::assert_clean("peer", &peer_report, &moved);
         steps::assert_clean("moved VM", &moved, &peer_report);
@@ -139,8 +128,8 @@ fn run(
         Ok(())
     })();
     if result.is_err() {
-        steps::dump_logs(&peer);
-        steps::dump_logs(&dst);
+        steps::dump_logs(&g.peer);
+        steps::dump_logs(&g.dst);
     }
     result
 }
@@ -231,31 +220,18 @@ fn assert_journaled_and_reported(journal: &str, line: &Value, final_phase: &str)
 fn a_post_migrate_hook_whose_attach_fails_rolls_the_move_back() {
     let bed = Testbed::new("hookback").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let outcome = (|| -> StepResult<()> {
-        let peer_spec = bed.guest_spec("peer")?;
-        let src_spec = bed.guest_spec("src")?;
-        let dst_spec = bed.incoming_spec(&src_spec, "dst")?;
-        let (peer, src) = std::thread::scope(|s| {
-            let peer = s.spawn(|| bed.start_guest(peer_spec.clone()));
-            let src = s.spawn(|| bed.start_guest(src_spec.clone()));
-            (peer.join().expect("boot"), src.join().expect("boot"))
-        });
-        let (peer, src) = (peer?, src?);
-        let dst = bed.start_incoming(dst_spec)?;
-        let server = format!("{}:{PORT}", peer_spec.address());
-        let mode = format!("--mode migratable --rate {RATE}");
-        steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
-        steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
-        steps::wait_ready(&peer, "h")?;
-        steps::wait_ready(&src, "h")?;
+        let g = MoveGuests::start(&bed, "back")?;
+        g.start_flow("h", &format!("--mode migratable --rate {RATE}"))?;
+        let (peer, src, dst) = (&g.peer, &g.src, &g.dst);
         std::thread::sleep(Duration::from_secs(2));
 
-        let mut pre = vmm_args(&src);
+        let mut pre = vmm_args(src);
         pre.extend([
             "pre-migrate".into(),
             "--detach".into(),
             "nic0".into(),
             "--reattach".into(),
-            nic(&src),
+            nic(src),
             "--state-dir".into(),
             state_dir(&bed),
         ]);
@@ -263,9 +239,9 @@ fn a_post_migrate_hook_whose_attach_fails_rolls_the_move_back() {
         eprintln!("pre-migrate: {output}");
         assert_eq!(code, 0, "pre-migrate failed: {output}");
         let journal = report["journal"].as_str().unwrap_or_default().to_string();
-        workflow_migrates(&src, &dst)?;
+        workflow_migrates(src, dst)?;
         // The destination has no backend of that name: QEMU refuses the device_add.
-        let mut post = vmm_args(&dst);
+        let mut post = vmm_args(dst);
         post.extend([
             "post-migrate".into(),
             "--attach".into(),
@@ -286,10 +262,10 @@ fn a_post_migrate_hook_whose_attach_fails_rolls_the_move_back() {
         let status = src.qmp()?.execute("query-status", json!({}))?;
         assert_eq!(status["status"], "running", "{status}");
         std::thread::sleep(Duration::from_secs(3));
-        steps::stop_traffic(&src, "h")?;
-        steps::stop_traffic(&peer, "h")?;
-        let back = steps::collect_report(&src, "h")?;
-        let peer_report = steps::collect_report(&peer, "h")?;
+        steps::stop_traffic(src, "h")?;
+        steps::stop_traffic(peer, "h")?;
+        let back = steps::collect_report(src, "h")?;
+        let peer_report = steps::collect_report(peer, "h")?;
         eprintln!("peer received: {peer_report:?}\nrolled-back VM received: {back:?}");
         steps::assert_clean("peer", &peer_report, &back);
         steps::assert_clean("rolled-back VM", &back, &peer_report);
