@@ -27,6 +27,11 @@
 pub const PARAM_IP: &str = "rdmamig.ip";
 /// Kernel command-line parameter naming the RDMA NIC's MAC address.
 pub const PARAM_MAC: &str = "rdmamig.mac";
+/// Kernel command-line parameter naming the RDMA NIC's driver (`igbvf`), for a passthrough
+/// VF: its MAC is whatever the host's VF has, and a move plugs a VF with another, so the hook
+/// finds the NIC by its driver and gives it the [`PARAM_MAC`] address, as a VM's own network
+/// configuration would, so that peers' neighbour entries stay right across the move.
+pub const PARAM_DRIVER: &str = "rdmamig.driver";
 /// Kernel command-line parameter naming the permanent NIC's address (`<addr>/<prefix>`).
 pub const PARAM_PERMANENT_IP: &str = "rdmamig.ip2";
 /// Kernel command-line parameter naming the permanent NIC's MAC address.
@@ -156,12 +161,14 @@ IP={ip}
 RDMA={rdma}
 addr=
 mac=
+driver=
 addr2=
 mac2=
 for p in $(cat /proc/cmdline); do
   case "$p" in
     {PARAM_IP}=*) addr="${{p#{PARAM_IP}=}}" ;;
     {PARAM_MAC}=*) mac=$(echo "${{p#{PARAM_MAC}=}}" | tr A-F a-f) ;;
+    {PARAM_DRIVER}=*) driver="${{p#{PARAM_DRIVER}=}}" ;;
     {PARAM_PERMANENT_IP}=*) addr2="${{p#{PARAM_PERMANENT_IP}=}}" ;;
     {PARAM_PERMANENT_MAC}=*) mac2=$(echo "${{p#{PARAM_PERMANENT_MAC}=}}" | tr A-F a-f) ;;
   esac
@@ -172,8 +179,15 @@ log() {{
   echo "[$up] $*"
 }}
 
-# The netdevs that carry the MAC $1 (default: the RDMA NIC's).
+# The netdevs that carry the MAC $1 (default: the RDMA NIC's; with {PARAM_DRIVER}=, the
+# netdevs of that driver).
 nics() {{
+  if [ -z "$1" ] && [ -n "$driver" ]; then
+    for d in /sys/class/net/*; do
+      [ "$(basename "$(readlink "$d/device/driver" 2>/dev/null)")" = "$driver" ] && echo "${{d##*/}}"
+    done
+    return 0
+  fi
   want=${{1:-$mac}}
   for f in /sys/class/net/*/address; do
     [ -r "$f" ] || continue
@@ -210,6 +224,10 @@ configure() {{
   rxe=$(rxe_of "$dev")
   [ -n "$rxe" ] && has_addr "$dev" && return 0
   log "$dev: configuring (soft-roce: ${{rxe:-none}})"
+  if [ -n "$driver" ] && [ "$(cat "/sys/class/net/$dev/address")" != "$mac" ]; then
+    $IP link set "$dev" down
+    $IP link set "$dev" address "$mac" || log "$dev: cannot set MAC $mac"
+  fi
   if ! has_addr "$dev"; then
     $IP addr replace "$addr" dev "$dev" || log "$dev: cannot set address $addr"
   fi
@@ -256,10 +274,12 @@ permanent() {{
 }}
 
 monitor() {{
-  log "watching for NICs with MAC $mac"
+  log "watching for NICs with MAC $mac${{driver:+ or driver $driver}}"
   {{ echo boot; exec $IP monitor link; }} | while IFS= read -r line; do
     case "$line" in
       boot|*"$mac"*) for dev in $(nics); do configure "$dev"; done ;;
+      # A new VF comes with its own MAC: any link event may be it.
+      *) [ -n "$driver" ] && for dev in $(nics); do configure "$dev"; done ;;
     esac
   done
   log "ip monitor ended"

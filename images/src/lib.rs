@@ -93,6 +93,12 @@ pub struct ImageSpec {
     pub kernel_version: Option<String>,
     /// Kernel modules to load at boot beyond [`DEFAULT_MODULES`], e.g. `vfio_pci`.
     pub extra_modules: Vec<String>,
+    /// Host programs and shared objects copied at their host paths with every library they
+    /// need: what an image that plays a host runs (qemu-system-x86_64, and the accelerator
+    /// module Debian's QEMU dlopen()s).
+    pub host_programs: Vec<PathBuf>,
+    /// Files copied to a guest path: `(host file, guest path)`, e.g. a nested VM's kernel.
+    pub files: Vec<(PathBuf, PathBuf)>,
 }
 
 /// A built image.
@@ -311,6 +317,17 @@ fn manifest(spec: &ImageSpec, kernel: &Kernel) -> Result<Tree, ImageError> {
         tree.add_host_file_as(binary, &Path::new("usr/bin").join(name))
             .map_err(add(&what))?;
         tree.add_libraries_of(binary).map_err(add(&what))?;
+    }
+
+    // What a host-playing image runs, and the files it carries.
+    for program in &spec.host_programs {
+        tree.add_elf(program)
+            .map_err(add(&program.to_string_lossy()))?;
+    }
+    for (host, guest) in &spec.files {
+        let guest = guest.strip_prefix("/").unwrap_or(guest);
+        tree.add_host_file_as(host, guest)
+            .map_err(add(&host.to_string_lossy()))?;
     }
 
     // Kernel modules, resolved on the host into insmod order.

@@ -43,6 +43,7 @@ fn main() -> ExitCode {
         guest_binaries: args.binaries,
         kernel_version: args.kernel_version,
         extra_modules: args.modules,
+        ..Default::default()
     };
     let started = Instant::now();
     match rdmamig_images::build(&spec) {

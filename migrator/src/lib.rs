@@ -9,6 +9,7 @@
 //! - [`journal`]: the crash-safe, fsynced record of every move's steps;
 //! - [`config`]: the daemon's config file (`[pool]`, `[peer]`, `[moves]`);
 //! - [`pool`]: the host's passthrough functions (their states persist);
+//! - [`sriov`]: the VFs the pool config asks for, created and bound to vfio-pci at start;
 //! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
 //!   migration support);
 //! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
@@ -56,6 +57,7 @@ pub mod plan;
 pub mod pool;
 pub mod report;
 pub mod retention;
+pub mod sriov;
 pub mod step;
 pub mod strategy;
 pub mod svg;

@@ -17,6 +17,8 @@ use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::moving::{BoundaryHook, MoveContext};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::pool::{Pool, PoolError};
+use rdmamig_migrator::sriov::{self, SriovError};
+use rdmamig_migrator::vfio::Sysfs;
 use rdmamig_migrator::retention::Retention;
 use rdmamig_proto::text::error_chain;
 
@@ -325,10 +327,13 @@ enum OpenError {
     /// The pool it describes, or its states.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The VFs its `[[pool.sriov]]` entries ask for.
+    #[error(transparent)]
+    Sriov(#[from] SriovError),
 }
 
 /// The config file (defaults without one), and the pool it describes, with its states from
-/// the state directory.
+/// the state directory. The VFs of its `[[pool.sriov]]` entries are made ready first.
 fn open_config(
     config: Option<&std::path::Path>,
     state_dir: &std::path::Path,
@@ -337,7 +342,18 @@ fn open_config(
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    let pool = Pool::open(&config.pool, &state_dir.join("pool.json"))?;
+    // Checks the rest of the pool's config before the VFs change anything.
+    Pool::open(&config.pool, &state_dir.join("pool.json"))?;
+    let (functions, prepared) = sriov::prepare(&config.pool, &Sysfs::default())?;
+    for vf in prepared {
+        tracing::info!(
+            "pool: VF {} is {} (vfio-pci, IOMMU group {})",
+            vf.name,
+            vf.pci,
+            vf.group
+        );
+    }
+    let pool = Pool::open(&functions, &state_dir.join("pool.json"))?;
     Ok((pool, config))
 }
 

@@ -24,6 +24,12 @@
 //! [[pool.function]]
 //! name = "tap1"
 //! device = "driver=virtio-net-pci,netdev=nd1"
+//!
+//! # The daemon creates these VFs at start and lists them as vf0, vf1 ([`crate::sriov`]).
+//! [[pool.sriov]]
+//! pf = "0000:3b:00.0"
+//! vfs = 2
+//! prefix = "vf"
 //! ```
 //!
 //! The rest of the config file is [`crate::config`]'s.
@@ -56,6 +62,26 @@ pub struct PoolConfig {
     /// The functions.
     #[serde(default, rename = "function")]
     pub functions: Vec<FunctionConfig>,
+    /// PFs whose VFs the daemon creates and lists as functions ([`crate::sriov`]).
+    #[serde(default)]
+    pub sriov: Vec<SriovConfig>,
+}
+
+/// A PF whose VFs the pool holds.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SriovConfig {
+    /// The PF's PCI address.
+    pub pf: String,
+    /// How many VFs it gets.
+    pub vfs: u32,
+    /// The VFs' names in the pool: `<prefix><index>`.
+    #[serde(default = "default_vf_prefix")]
+    pub prefix: String,
+}
+
+fn default_vf_prefix() -> String {
+    "vf".into()
 }
 
 /// One function as configured.
@@ -498,7 +524,8 @@ fn summary(states: &BTreeMap<String, FunctionState>, now: u64) -> String {
         .join(", ")
 }
 
-fn is_pci_address(text: &str) -> bool {
+/// Whether `text` is a full PCI address (`0000:3b:00.2`).
+pub(crate) fn is_pci_address(text: &str) -> bool {
     let b = text.as_bytes();
     let hex = |range: std::ops::Range<usize>| b[range].iter().all(u8::is_ascii_hexdigit);
     b.len() == 12

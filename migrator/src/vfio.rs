@@ -276,6 +276,31 @@ impl Sysfs {
         self.write(&numvfs, &count.to_string())
     }
 
+    /// The PF's VFs (its `virtfn<N>` links), in VF order.
+    pub fn vfs(&self, pf: &str) -> Result<Vec<String>, VfioError> {
+        let dir = self.existing(pf)?;
+        let entries = std::fs::read_dir(&dir).map_err(|source| VfioError::Sysfs {
+            action: "read",
+            path: dir.clone(),
+            source,
+        })?;
+        let mut vfs: Vec<(u32, String)> = entries
+            .filter_map(Result::ok)
+            .filter_map(|entry| {
+                let index = entry
+                    .file_name()
+                    .to_str()?
+                    .strip_prefix("virtfn")?
+                    .parse()
+                    .ok()?;
+                let target = std::fs::read_link(entry.path()).ok()?;
+                Some((index, target.file_name()?.to_str()?.to_owned()))
+            })
+            .collect();
+        vfs.sort();
+        Ok(vfs.into_iter().map(|(_, address)| address).collect())
+    }
+
     /// Binds the device to vfio-pci through driver_override (unbinding it from its current
     /// driver first), then checks that it took.
     pub fn bind_vfio(&self, address: &str) -> Result<(), VfioError> {
