@@ -46,6 +46,15 @@ pub enum ClientRequest {
         /// The function's name.
         function: String,
     },
+    /// Record that a VM started outside any move holds a free function (the orchestrator
+    /// that created the VM gave it that VF), so that no move hands it out, and a move of
+    /// that VM gives it back.
+    PoolAssign {
+        /// The function's name.
+        function: String,
+        /// The VM.
+        vm: String,
+    },
 }
 
 /// A running move, as `rdmamig status` shows it.
@@ -131,6 +140,13 @@ pub enum DaemonMessage {
     Pool {
         /// Every function with its state.
         functions: Vec<FunctionStatus>,
+    },
+    /// The answer to [`ClientRequest::PoolAssign`]: the function is attached to the VM.
+    Assigned {
+        /// The function.
+        function: String,
+        /// The VM.
+        vm: String,
     },
     /// The answer to [`ClientRequest::PoolReturn`]: the function is free again.
     Returned {

@@ -151,7 +151,8 @@ pub async fn migrate(
                 DaemonMessage::Status { .. }
                 | DaemonMessage::History { .. }
                 | DaemonMessage::Pool { .. }
-                | DaemonMessage::Returned { .. },
+                | DaemonMessage::Returned { .. }
+                | DaemonMessage::Assigned { .. },
             ) => return Err(CliError::Unexpected { request: "migrate" }),
             None => return Err(CliError::NoReport),
         }
@@ -352,6 +353,9 @@ pub fn render_answer(answer: &DaemonMessage) -> String {
         }
         DaemonMessage::Returned { function, check } => {
             let _ = writeln!(text, "{function}: {check}; back in the pool (free)");
+        }
+        DaemonMessage::Assigned { function, vm } => {
+            let _ = writeln!(text, "{function}: attached to VM {vm}");
         }
         DaemonMessage::Report { report } => text = render_report(report),
         DaemonMessage::Event { event } => text = render_event(event) + "\n",

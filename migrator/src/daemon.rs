@@ -575,6 +575,15 @@ async fn serve_client(stream: UnixStream, owner: u32, shared: Arc<Shared>) {
                 }
             }
         }
+        ClientRequest::PoolAssign { function, vm } => {
+            match shared.config.context.pool.assign(&function, &vm) {
+                Ok(()) => {
+                    tracing::info!(%function, %vm, "function assigned to a VM started outside a move");
+                    forward(&mut channel, &DaemonMessage::Assigned { function, vm }).await;
+                }
+                Err(e) => reject(&mut channel, error_chain(&e)).await,
+            }
+        }
         ClientRequest::Status => {
             let mut moves: Vec<RunningMove> = lock(&shared.running).values().cloned().collect();
             moves.sort_by(|a, b| a.id.cmp(&b.id));

@@ -17,9 +17,9 @@ use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::moving::{BoundaryHook, MoveContext};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::pool::{Pool, PoolError};
+use rdmamig_migrator::retention::Retention;
 use rdmamig_migrator::sriov::{self, SriovError};
 use rdmamig_migrator::vfio::Sysfs;
-use rdmamig_migrator::retention::Retention;
 use rdmamig_proto::text::error_chain;
 
 /// The daemon's state directory when none is given.
@@ -176,6 +176,16 @@ enum PoolAction {
         /// The function's name (see `rdmamig pool`).
         function: String,
     },
+    /// Record that a VM you started outside a move holds a free function (you gave it that
+    /// VF), so that no move hands the function out and a move of the VM gives it back
+    /// (`rdmamig migrate --source-function`). Anything but a free function is refused.
+    Assign {
+        /// The function's name (see `rdmamig pool`).
+        function: String,
+        /// The VM that holds it.
+        #[arg(long)]
+        vm: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -286,6 +296,9 @@ fn main() -> ExitCode {
             let request = match action {
                 None => ClientRequest::Pool,
                 Some(PoolAction::Return { function }) => ClientRequest::PoolReturn { function },
+                Some(PoolAction::Assign { function, vm }) => {
+                    ClientRequest::PoolAssign { function, vm }
+                }
             };
             query(&runtime, &socket, request, output(json), None)
         }

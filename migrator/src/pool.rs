@@ -393,6 +393,16 @@ impl Pool {
         self.change(name, allowed, FunctionState::Attached { vm: vm.into() })
     }
 
+    /// Marks a free function as attached to `vm`, a VM started outside any move with it.
+    pub fn assign(&self, name: &str, vm: &str) -> Result<(), PoolError> {
+        let allowed = |state: &FunctionState| match state {
+            FunctionState::Free => Ok(()),
+            FunctionState::Attached { vm: v } if v == vm => Ok(()),
+            _ => Err("only a free function can be assigned to a VM"),
+        };
+        self.change(name, allowed, FunctionState::Attached { vm: vm.into() })
+    }
+
     /// Frees a function reserved for `move_id` (or attached to `vm`: a move that failed
     /// back after the attach).
     pub fn release(&self, name: &str, move_id: &str, vm: &str) -> Result<(), PoolError> {
@@ -633,6 +643,29 @@ mod tests {
             pool.release("nope", "m", "v"),
             Err(PoolError::Unknown { .. })
         ));
+    }
+
+    #[test]
+    fn a_function_assigned_to_a_vm_is_not_handed_out_and_its_move_gives_it_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Pool::open(&config(), &dir.path().join("pool.json")).unwrap();
+        pool.assign("vf0", "vm1").unwrap();
+        // Again for the same VM: a no-op; for another VM: refused, nothing changed.
+        pool.assign("vf0", "vm1").unwrap();
+        let err = pool.assign("vf0", "vm2").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "pool function vf0 is attached to VM vm1, only a free function can be assigned to a VM"
+        );
+        let (reserved, _) = pool.reserve("m1").unwrap();
+        assert_eq!(reserved, "tap1");
+        assert!(matches!(
+            pool.assign("tap1", "vm3"),
+            Err(PoolError::WrongState { .. })
+        ));
+        // The move of vm1 (its source function vf0) frees it.
+        pool.release("vf0", "m2", "vm1").unwrap();
+        assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
     }
 
     #[test]

@@ -117,7 +117,7 @@ struct Shared {
 #[derive(Debug)]
 pub struct Console {
     socket: PathBuf,
-    writer: UnixStream,
+    writer: Stream,
     shared: Arc<Shared>,
     reader: Option<JoinHandle<()>>,
     /// Serialises commands, so that one command's markers never interleave with another's.
@@ -130,21 +130,26 @@ static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
 impl Console {
     /// Connects to `socket`, retrying until `timeout` while QEMU has not created it yet.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<Console, ConsoleError> {
-        let started = Instant::now();
-        let stream = loop {
-            match UnixStream::connect(socket) {
-                Ok(stream) => break stream,
-                Err(source) if started.elapsed() >= timeout => {
-                    return Err(ConsoleError::Connect {
-                        socket: socket.to_owned(),
-                        waited: started.elapsed(),
-                        source,
-                    })
-                }
-                // QEMU creates the socket shortly after it starts.
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
+        let stream = retry(socket, timeout, || UnixStream::connect(socket))?;
+        Console::over(Stream::Unix(stream), socket)
+    }
+
+    /// Connects to a console QEMU serves on TCP (`-chardev socket,host=..,port=..`) at
+    /// `address` inside network namespace `netns`: a nested VM's, inside a host
+    /// ([`crate::nested`]), retrying until `timeout`.
+    pub fn connect_tcp(
+        netns: &str,
+        address: std::net::SocketAddr,
+        timeout: Duration,
+    ) -> Result<Console, ConsoleError> {
+        let name = PathBuf::from(format!("tcp:{address}"));
+        let stream = retry(&name, timeout, || {
+            crate::netns::connect_tcp(netns, address, Duration::from_secs(2))
+        })?;
+        Console::over(Stream::Tcp(stream), &name)
+    }
+
+    fn over(stream: Stream, socket: &Path) -> Result<Console, ConsoleError> {
         let io_error = |source| ConsoleError::Io {
             socket: socket.to_owned(),
             source,
@@ -313,6 +318,79 @@ impl Drop for Console {
         let _ = self.writer.shutdown(Shutdown::Both);
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
+        }
+    }
+}
+
+/// Retries `connect` until it succeeds or `timeout` has passed (QEMU creates its console
+/// shortly after it starts).
+fn retry<T>(
+    socket: &Path,
+    timeout: Duration,
+    mut connect: impl FnMut() -> std::io::Result<T>,
+) -> Result<T, ConsoleError> {
+    let started = Instant::now();
+    loop {
+        match connect() {
+            Ok(stream) => return Ok(stream),
+            Err(source) if started.elapsed() >= timeout => {
+                return Err(ConsoleError::Connect {
+                    socket: socket.to_owned(),
+                    waited: started.elapsed(),
+                    source,
+                })
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// The byte stream a console runs over.
+#[derive(Debug)]
+enum Stream {
+    /// QEMU's console socket on this machine.
+    Unix(UnixStream),
+    /// A nested VM's console, served on TCP inside a host.
+    Tcp(std::net::TcpStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self, how: Shutdown) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.shutdown(how),
+            Stream::Tcp(s) => s.shutdown(how),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => (&*s).write(buf),
+            Stream::Tcp(s) => (&*s).write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => (&*s).flush(),
+            Stream::Tcp(s) => (&*s).flush(),
         }
     }
 }

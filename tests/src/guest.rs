@@ -166,6 +166,10 @@ pub struct GuestSpec {
     /// [`Guest::vsock_socket`] (`CONNECT <port>`), as with Cloud Hypervisor's `--vsock`.
     /// Guest memory is then a shared memfd, which vhost-user needs.
     pub vsock_cid: Option<u32>,
+    /// Gives the guest an emulated IOMMU (intel-iommu, interrupt remapping, `intel_iommu=on`),
+    /// created before every other device so that none bypasses it: what a guest that plays
+    /// a host with VFIO needs ([`crate::nested`]).
+    pub iommu: bool,
 }
 
 /// The QEMU device model of a guest's RDMA NIC (Soft-RoCE runs on either).
@@ -178,6 +182,8 @@ pub enum NicModel {
     /// references Soft-RoCE holds on the QPs that sent them; virtio-net frees them only after
     /// its netdev is unregistered, which waits for those QPs to go (docs/testbed.md).
     E1000e,
+    /// `igb`: an SR-IOV PF (7 VFs), for a guest that plays a host ([`crate::nested`]).
+    Igb,
 }
 
 impl NicModel {
@@ -186,6 +192,7 @@ impl NicModel {
         match self {
             NicModel::VirtioNet => "virtio-net-pci",
             NicModel::E1000e => "e1000e",
+            NicModel::Igb => "igb",
         }
     }
 }
@@ -360,8 +367,8 @@ impl Guest {
         &self.process
     }
 
-    /// Attaches the console and waits for `RDMAMIG-READY`.
-    pub(crate) fn wait_ready(&self) -> Result<(), GuestError> {
+    /// Attaches the console and waits at most `timeout` for `RDMAMIG-READY`.
+    pub(crate) fn wait_ready(&self, timeout: Duration) -> Result<(), GuestError> {
         self.reattach_console()?;
         let console = self.console.lock().unwrap_or_else(|p| p.into_inner());
         let Some(console) = console.as_ref() else {
@@ -387,7 +394,7 @@ impl Guest {
                 },
             }
         };
-        match console.wait_for_marker(&[READY_MARKER, NOT_READY_MARKER], BOOT_TIMEOUT) {
+        match console.wait_for_marker(&[READY_MARKER, NOT_READY_MARKER], timeout) {
             Ok((0, _)) => Ok(()),
             Ok((_, line)) => Err(GuestError::NotReady {
                 guest: self.spec.name.clone(),
@@ -515,16 +522,7 @@ impl Guest {
 
     /// Like [`Guest::run`], but a non-zero status is an error; returns the output.
     pub fn run_ok(&self, command: &str, timeout: Duration) -> Result<String, GuestError> {
-        let out = self.run(command, timeout)?;
-        if out.status != 0 {
-            return Err(GuestError::CommandFailed {
-                guest: self.spec.name.clone(),
-                command: command.to_owned(),
-                status: out.status,
-                output: out.output,
-            });
-        }
-        Ok(out.output)
+        Shell::run_ok(self, command, timeout)
     }
 
     /// Stops QEMU now (SIGTERM, then SIGKILL). Dropping the guest does the same.
@@ -550,13 +548,48 @@ impl Drop for Guest {
     }
 }
 
+/// What the harness runs shell commands on: a test-bed guest, or a VM nested in a host
+/// ([`crate::nested`]). The shared steps ([`crate::steps`]) take one.
+pub trait Shell {
+    /// Its name, in messages.
+    fn name(&self) -> &str;
+    /// Runs a command on its console; see [`Guest::run`].
+    fn run(&self, command: &str, timeout: Duration) -> Result<CommandOutput, GuestError>;
+    /// Like [`Shell::run`], but a non-zero status is an error; returns the output.
+    fn run_ok(&self, command: &str, timeout: Duration) -> Result<String, GuestError> {
+        let out = self.run(command, timeout)?;
+        if out.status != 0 {
+            return Err(GuestError::CommandFailed {
+                guest: self.name().to_owned(),
+                command: command.to_owned(),
+                status: out.status,
+                output: out.output,
+            });
+        }
+        Ok(out.output)
+    }
+}
+
+impl Shell for Guest {
+    fn name(&self) -> &str {
+        Guest::name(self)
+    }
+
+    fn run(&self, command: &str, timeout: Duration) -> Result<CommandOutput, GuestError> {
+        Guest::run(self, command, timeout)
+    }
+}
+
 /// QEMU's arguments for `spec` (after the program name).
 fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec<String> {
     let path = |name: &str| dir.join(name).display().to_string();
-    let machine = match spec.vsock_cid {
-        Some(_) => "q35,memory-backend=mem",
-        None => "q35",
+    let machine = match (spec.vsock_cid, spec.iommu) {
+        (Some(_), _) => "q35,memory-backend=mem",
+        // Interrupt remapping needs the IOAPIC in QEMU, not in the accelerator.
+        (None, true) => "q35,kernel-irqchip=split",
+        (None, false) => "q35",
     };
+    let iommu = if spec.iommu { " intel_iommu=on" } else { "" };
     let mut args: Vec<String> = [
         "-name",
         &spec.name,
@@ -575,6 +608,12 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if spec.iommu {
+        args.extend([
+            "-device".into(),
+            "intel-iommu,intremap=on,caching-mode=on".into(),
+        ]);
+    }
     args.extend([
         "-kernel".into(),
         image.kernel.display().to_string(),
@@ -582,7 +621,7 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         image.initramfs.display().to_string(),
         "-append".into(),
         format!(
-            "console=ttyS0 panic=-1 quiet {PARAM_IP}={} {PARAM_MAC}={} \
+            "console=ttyS0 panic=-1 quiet{iommu} {PARAM_IP}={} {PARAM_MAC}={} \
              {PARAM_PERMANENT_IP}={} {PARAM_PERMANENT_MAC}={}",
             spec.ip, spec.mac, spec.permanent_ip, spec.permanent_mac
         ),

@@ -42,7 +42,7 @@ pub mod testbed;
 pub use rdmamig_proto::text::error_chain;
 
 pub use console::{CommandOutput, ConsoleError};
-pub use guest::{Guest, GuestError, GuestSpec, NicModel};
+pub use guest::{Guest, GuestError, GuestSpec, NicModel, Shell};
 pub use qmp::{Qmp, QmpError};
 pub use testbed::{bin_dir, GuestBinaries, Testbed, TestbedBuilder, TestbedError};
 

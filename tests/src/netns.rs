@@ -69,6 +69,12 @@ impl NetNs {
         Ok(tap)
     }
 
+    /// Gives the bridge an address (`10.78.0.254/24`): the harness's own, for reaching
+    /// guests over TCP ([`connect_tcp`]).
+    pub fn add_bridge_address(&self, cidr: &str) -> Result<(), NetnsError> {
+        self.ip(&["addr", "add", cidr, "dev", BRIDGE]).map(drop)
+    }
+
     /// Runs `ip -n <ns> <args>`.
     fn ip(&self, args: &[&str]) -> Result<String, NetnsError> {
         let mut all = vec!["-n", &self.name];
@@ -126,6 +132,26 @@ pub fn sweep_stale() -> Result<Vec<String>, NetnsError> {
         removed.push(name.to_owned());
     }
     Ok(removed)
+}
+
+/// Connects to `address` from inside namespace `netns` (a socket stays in the namespace it
+/// was created in): a thread of its own enters the namespace, so the caller's stays put.
+pub fn connect_tcp(
+    netns: &str,
+    address: std::net::SocketAddr,
+    timeout: std::time::Duration,
+) -> std::io::Result<std::net::TcpStream> {
+    let path = format!("/run/netns/{netns}");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let namespace = std::fs::File::open(&path)?;
+            nix::sched::setns(namespace, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)?;
+            std::net::TcpStream::connect_timeout(&address, timeout)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread panicked")))
+    })
 }
 
 /// Runs `ip <args>` and returns its stdout.

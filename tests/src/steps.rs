@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use rdmamig_guest::traffic::Report;
 use serde_json::{json, Value};
 
+use crate::guest::Shell;
 use crate::{bin_dir, Guest, Testbed, TestbedError};
 
 /// Bound on every console command these steps run.
@@ -22,7 +23,7 @@ pub type StepResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Starts `rdmamig-traffic <args>` in the background in `guest` under `tag`, with warnings
 /// of the library logged to `/tmp/<tag>.err`.
-pub fn start_traffic(guest: &Guest, tag: &str, args: &str) -> StepResult<()> {
+pub fn start_traffic(guest: &dyn Shell, tag: &str, args: &str) -> StepResult<()> {
     guest.run_ok(
         &format!(
             "rm -f /tmp/{tag}.json /tmp/{tag}.ready; \
@@ -35,7 +36,7 @@ pub fn start_traffic(guest: &Guest, tag: &str, args: &str) -> StepResult<()> {
 }
 
 /// Waits until the traffic process `tag` has connected (it creates its ready file).
-pub fn wait_ready(guest: &Guest, tag: &str) -> StepResult<()> {
+pub fn wait_ready(guest: &dyn Shell, tag: &str) -> StepResult<()> {
     guest.run_ok(
         &format!(
             "i=0; while [ ! -e /tmp/{tag}.ready ]; do \
@@ -48,13 +49,13 @@ pub fn wait_ready(guest: &Guest, tag: &str) -> StepResult<()> {
 }
 
 /// Asks the traffic process `tag` to stop (SIGINT): it flushes, lingers and writes its report.
-pub fn stop_traffic(guest: &Guest, tag: &str) -> StepResult<()> {
+pub fn stop_traffic(guest: &dyn Shell, tag: &str) -> StepResult<()> {
     guest.run_ok(&format!("kill -INT $(cat /tmp/{tag}.pid)"), STEP_TIMEOUT)?;
     Ok(())
 }
 
 /// Waits for and parses the report of the traffic process `tag`.
-pub fn collect_report(guest: &Guest, tag: &str) -> StepResult<Report> {
+pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
     let out = guest.run_ok(
         &format!(
             "i=0; while [ ! -s /tmp/{tag}.json ]; do \
@@ -72,7 +73,7 @@ pub fn collect_report(guest: &Guest, tag: &str) -> StepResult<Report> {
 /// Prints the tail of every traffic log in `guest`, and where each thread of every traffic
 /// process waits in the kernel (for a failing test: a hung unplug is a thread stuck on the
 /// device).
-pub fn dump_logs(guest: &Guest) {
+pub fn dump_logs(guest: &dyn Shell) {
     if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", STEP_TIMEOUT) {
         eprintln!("---- guest {} traffic logs:\n{}", guest.name(), out.output);
     }
@@ -96,7 +97,7 @@ pub fn dump_logs(guest: &Guest) {
 
 /// The lines of `guest`'s kernel log (`dmesg`) that report a kernel problem, each headed by
 /// the guest's name. The log of a moved guest holds its source's too: it moved with the VM.
-pub fn kernel_problems(guest: &Guest) -> StepResult<Vec<String>> {
+pub fn kernel_problems(guest: &dyn Shell) -> StepResult<Vec<String>> {
     let log = guest.run_ok("dmesg", STEP_TIMEOUT)?;
     Ok(crate::kernel_log::problem_lines(&log)
         .map(|line| format!("{}: {line}", guest.name()))
@@ -117,7 +118,7 @@ pub fn assert_no_kernel_problems(problems: &[String]) {
 /// port 18515 (0x4853), which it opens only after its device set-up succeeded. A NIC hook
 /// still settling may make the set-up fail (the holder then exits at once): started again,
 /// bounded. Returns its PID (also in `/run/holder.pid`).
-pub fn start_holder(guest: &Guest) -> StepResult<u32> {
+pub fn start_holder(guest: &dyn Shell) -> StepResult<u32> {
     let out = guest.run_ok(
         "n=0; while [ $n -lt 5 ]; do \
            ibv_rc_pingpong -g 1 >/run/holder.log 2>&1 & echo $! > /run/holder.pid; \
@@ -140,7 +141,7 @@ pub fn start_holder(guest: &Guest) -> StepResult<u32> {
 
 /// Drives the library in the process registered on `socket` like the agent would:
 /// `describe`, `quiesce` or `resume`. Fails if any per-connection outcome is not ok.
-pub fn ctl(guest: &Guest, socket: &str, op: &str) -> StepResult<Value> {
+pub fn ctl(guest: &dyn Shell, socket: &str, op: &str) -> StepResult<Value> {
     let out = guest.run_ok(
         &format!("rdmamig-traffic ctl --socket {socket} --deadline-ms 8000 {op}"),
         STEP_TIMEOUT,
@@ -216,7 +217,12 @@ pub fn assert_clean(name: &str, r: &Report, sender: &Report) {
 /// Ends traffic `tag` between `vm` (the VM that moved, or stayed after a rollback) and
 /// `peer`, and checks both directions with [`assert_clean`]. Prints both reports (and, when
 /// they cannot be collected, the guests' logs first). Returns `vm`'s report and the peer's.
-pub fn finish_clean_flow(vm: &Guest, vm_name: &str, peer: &Guest, tag: &str) -> (Report, Report) {
+pub fn finish_clean_flow(
+    vm: &dyn Shell,
+    vm_name: &str,
+    peer: &dyn Shell,
+    tag: &str,
+) -> (Report, Report) {
     let reports = stop_traffic(vm, tag)
         .and_then(|()| stop_traffic(peer, tag))
         .and_then(|()| Ok((collect_report(vm, tag)?, collect_report(peer, tag)?)));

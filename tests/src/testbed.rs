@@ -92,6 +92,15 @@ pub enum TestbedError {
         #[source]
         source: NetnsError,
     },
+    /// Giving the bridge an address failed.
+    #[error("giving the bridge of network namespace {netns} an address")]
+    BridgeAddress {
+        /// The namespace's name.
+        netns: String,
+        /// What went wrong.
+        #[source]
+        source: NetnsError,
+    },
     /// All guest addresses are taken.
     #[error("no guest address left in {SUBNET_PREFIX}.0/24")]
     AddressesExhausted,
@@ -223,6 +232,17 @@ impl Testbed {
         &self.image
     }
 
+    /// Gives the namespace's bridge an address, so that the harness can reach guests in
+    /// its subnet over TCP ([`crate::netns::connect_tcp`]).
+    pub fn add_bridge_address(&self, cidr: &str) -> Result<(), TestbedError> {
+        self.netns
+            .add_bridge_address(cidr)
+            .map_err(|source| TestbedError::BridgeAddress {
+                netns: self.netns.name().to_owned(),
+                source,
+            })
+    }
+
     /// Creates a tap on the bridge and returns its name.
     pub fn add_tap(&self) -> Result<String, TestbedError> {
         self.netns.add_tap().map_err(|source| TestbedError::AddTap {
@@ -254,6 +274,7 @@ impl Testbed {
             rdma_nic: NicModel::default(),
             memory_mib: GUEST_MEMORY_MIB,
             vsock_cid: None,
+            iommu: false,
         })
     }
 
@@ -273,10 +294,21 @@ impl Testbed {
     /// Starts a guest and waits (at most [`crate::guest::BOOT_TIMEOUT`]) until it prints
     /// `RDMAMIG-READY`: booted, and its RDMA NIC (if any) has an ACTIVE Soft-RoCE device.
     pub fn start_guest(&self, spec: GuestSpec) -> Result<Guest, TestbedError> {
+        self.start_guest_from(spec, &self.image.clone(), crate::guest::BOOT_TIMEOUT)
+    }
+
+    /// Starts a guest from another image (a host image: [`crate::nested`]) and waits at most
+    /// `boot_timeout` until it prints `RDMAMIG-READY`.
+    pub fn start_guest_from(
+        &self,
+        spec: GuestSpec,
+        image: &Image,
+        boot_timeout: std::time::Duration,
+    ) -> Result<Guest, TestbedError> {
         let name = spec.name.clone();
-        let guest = self.launch(spec, false)?;
+        let guest = self.launch(spec, false, image)?;
         guest
-            .wait_ready()
+            .wait_ready(boot_timeout)
             .map_err(|source| TestbedError::StartGuest {
                 guest: name,
                 source: Box::new(source),
@@ -288,7 +320,7 @@ impl Testbed {
     /// clients. The migrator sets the URI with `migrate-incoming`; after the move,
     /// [`Guest::run`] attaches to its console, where the source's shell loop carries on.
     pub fn start_incoming(&self, spec: GuestSpec) -> Result<Guest, TestbedError> {
-        self.launch(spec, true)
+        self.launch(spec, true, &self.image)
     }
 
     /// Prints every guest's console tail and QEMU log tail to stderr. Also done automatically
@@ -306,14 +338,19 @@ impl Testbed {
         }
     }
 
-    fn launch(&self, spec: GuestSpec, incoming: bool) -> Result<Guest, TestbedError> {
+    fn launch(
+        &self,
+        spec: GuestSpec,
+        incoming: bool,
+        image: &Image,
+    ) -> Result<Guest, TestbedError> {
         let name = spec.name.clone();
         let dir = self.dir.join(&name);
         let guest = Guest::launch(
             spec,
             Launch {
                 netns: self.netns.name(),
-                image: &self.image,
+                image,
                 dir,
                 incoming,
             },
