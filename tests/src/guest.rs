@@ -170,6 +170,10 @@ pub struct GuestSpec {
     /// created before every other device so that none bypasses it: what a guest that plays
     /// a host with VFIO needs ([`crate::nested`]).
     pub iommu: bool,
+    /// vCPUs. A host needs two: its nested VM's QEMU then runs its vCPU on one and its
+    /// other threads on the other (TESTBED.md: an L2 reached /init in ~110 s that way, and
+    /// in ~400 s with one vCPU).
+    pub cpus: u32,
 }
 
 /// The QEMU device model of a guest's RDMA NIC (Soft-RoCE runs on either).
@@ -555,6 +559,11 @@ pub trait Shell {
     fn name(&self) -> &str;
     /// Runs a command on its console; see [`Guest::run`].
     fn run(&self, command: &str, timeout: Duration) -> Result<CommandOutput, GuestError>;
+    /// How many times slower than a test-bed guest it runs: the shared steps scale their
+    /// waits by it.
+    fn pace(&self) -> u32 {
+        1
+    }
     /// Like [`Shell::run`], but a non-zero status is an error; returns the output.
     fn run_ok(&self, command: &str, timeout: Duration) -> Result<String, GuestError> {
         let out = self.run(command, timeout)?;
@@ -600,7 +609,7 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
         "-m",
         &spec.memory_mib.to_string(),
         "-smp",
-        "1",
+        &spec.cpus.to_string(),
         "-nographic",
         "-nodefaults",
         "-no-reboot",

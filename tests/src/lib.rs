@@ -10,6 +10,8 @@
 //! - [`console`]: the serial-console command protocol.
 //! - [`qmp`]: a minimal QMP client for the harness's own checks.
 //! - [`netns`]: the namespace, bridge and taps.
+//! - [`nested`]: hosts that are guests (an IOMMU, an igb SR-IOV PF, QEMU, the daemon) and
+//!   the VMs inside them on real VFs through real VFIO.
 //! - [`pki`]: a CA and certificates for daemons that talk over mutual TLS.
 //! - [`scenario`]: the move scenario the demo and the end-to-end tests run.
 //! - [`steps`]: steps the connection tests share (traffic, agent control, NIC swaps).
@@ -31,6 +33,7 @@ pub mod ch_spec;
 pub mod console;
 pub mod guest;
 pub mod kernel_log;
+pub mod nested;
 pub mod netns;
 pub mod pki;
 pub mod qmp;

@@ -1,5 +1,6 @@
 //! Certificates for tests whose daemons talk over mutual TLS: one CA, and a certificate per
-//! host for `localhost` and 127.0.0.1, with the `[peer]` table that names them.
+//! host (for `localhost` and 127.0.0.1, or for a nested host's own address), with the
+//! `[peer]` table that names them.
 
 use std::path::{Path, PathBuf};
 
@@ -30,10 +31,17 @@ impl Pki {
         })
     }
 
-    /// Issues the certificate and key `<dir>/<name>.{pem,key}`.
+    /// Issues the certificate and key `<dir>/<name>.{pem,key}` for `localhost` and 127.0.0.1.
     pub fn issue(&self, name: &str) -> StepResult<()> {
+        self.issue_for(name, &["localhost", "127.0.0.1"])
+    }
+
+    /// Issues the certificate and key `<dir>/<name>.{pem,key}` for the names and addresses
+    /// `subjects`.
+    pub fn issue_for(&self, name: &str, subjects: &[&str]) -> StepResult<()> {
         let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])?;
+        let subjects: Vec<String> = subjects.iter().map(|s| s.to_string()).collect();
+        let mut params = CertificateParams::new(subjects)?;
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
@@ -57,21 +65,53 @@ impl Pki {
         listen: Option<u16>,
         known: &[(&str, &str, u16)],
     ) -> String {
-        let dir = self.dir.display();
-        let mut text = format!(
-            "[peer]\ncert = \"{dir}/{name}.pem\"\nkey = \"{dir}/{name}.key\"\nca = \"{dir}/ca.pem\"\n"
-        );
-        if let Some(port) = listen {
-            text.push_str(&format!("listen = \"127.0.0.1:{port}\"\n"));
-        }
-        for (peer, cert, port) in known {
-            text.push_str(&format!(
-                "\n[[peer.known]]\nname = \"{peer}\"\ncert = \"{dir}/{cert}.pem\"\n\
-                 address = \"127.0.0.1:{port}\"\n"
-            ));
-        }
-        text
+        let listen = listen.map(|port| format!("127.0.0.1:{port}"));
+        let known: Vec<(&str, &str, String)> = known
+            .iter()
+            .map(|(peer, cert, port)| (*peer, *cert, format!("127.0.0.1:{port}")))
+            .collect();
+        peer_table_in(&self.dir, name, listen.as_deref(), &known)
     }
+
+    /// The files of `names` (`<name>.pem`, `<name>.key`) and `ca.pem`, with their contents:
+    /// what a nested host needs copied in.
+    pub fn files(&self, names: &[&str]) -> StepResult<Vec<(String, Vec<u8>)>> {
+        let mut files = vec![(
+            "ca.pem".to_string(),
+            std::fs::read(self.dir.join("ca.pem"))?,
+        )];
+        for name in names {
+            for ext in ["pem", "key"] {
+                let file = format!("{name}.{ext}");
+                files.push((file.clone(), std::fs::read(self.dir.join(&file))?));
+            }
+        }
+        Ok(files)
+    }
+}
+
+/// A `[peer]` table for host `name` whose certificates are in `dir` (on the host that reads
+/// it), listening on `listen` if given, knowing `known` (name, whose certificate, address).
+pub fn peer_table_in(
+    dir: &Path,
+    name: &str,
+    listen: Option<&str>,
+    known: &[(&str, &str, String)],
+) -> String {
+    let dir = dir.display();
+    let mut text = format!(
+        "[peer]\ncert = \"{dir}/{name}.pem\"\nkey = \"{dir}/{name}.key\"\nca = \"{dir}/ca.pem\"\n"
+    );
+    if let Some(listen) = listen {
+        text.push_str(&format!("listen = \"{listen}\"\n"));
+    }
+    for (peer, cert, address) in known {
+        text.push_str(&format!(
+            "\n[[peer.known]]\nname = \"{peer}\"\ncert = \"{dir}/{cert}.pem\"\n\
+             address = \"{address}\"\n"
+        ));
+    }
+    text
 }
 
 /// A loopback port nobody listens on right now.

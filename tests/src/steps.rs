@@ -18,6 +18,11 @@ use crate::{bin_dir, Guest, Testbed, TestbedError};
 /// Bound on every console command these steps run.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// [`STEP_TIMEOUT`] for `guest`, scaled by how much slower than a test-bed guest it runs.
+fn step_timeout(guest: &dyn Shell) -> Duration {
+    STEP_TIMEOUT * guest.pace()
+}
+
 /// The steps' error: what was being done, and what went wrong, as text for the test report.
 pub type StepResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -30,7 +35,7 @@ pub fn start_traffic(guest: &dyn Shell, tag: &str, args: &str) -> StepResult<()>
              RDMAMIG_LOG=rdmamig_guest=debug,rdmamig_conn=debug,rdmamig_verbs=debug rdmamig-traffic {args} --report /tmp/{tag}.json \
              --ready-file /tmp/{tag}.ready >/tmp/{tag}.out 2>/tmp/{tag}.err & echo $! >/tmp/{tag}.pid"
         ),
-        STEP_TIMEOUT,
+        step_timeout(guest),
     )?;
     Ok(())
 }
@@ -39,18 +44,22 @@ pub fn start_traffic(guest: &dyn Shell, tag: &str, args: &str) -> StepResult<()>
 pub fn wait_ready(guest: &dyn Shell, tag: &str) -> StepResult<()> {
     guest.run_ok(
         &format!(
-            "i=0; while [ ! -e /tmp/{tag}.ready ]; do \
+            "end=$(($(date +%s) + {s})); while [ ! -e /tmp/{tag}.ready ]; do \
                kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ cat /tmp/{tag}.err; exit 1; }}; \
-               i=$((i+1)); [ $i -gt 400 ] && exit 1; sleep 0.05; done"
+               [ $(date +%s) -ge $end ] && exit 1; sleep 0.05; done",
+            s = 20 * guest.pace()
         ),
-        STEP_TIMEOUT,
+        step_timeout(guest),
     )?;
     Ok(())
 }
 
 /// Asks the traffic process `tag` to stop (SIGINT): it flushes, lingers and writes its report.
 pub fn stop_traffic(guest: &dyn Shell, tag: &str) -> StepResult<()> {
-    guest.run_ok(&format!("kill -INT $(cat /tmp/{tag}.pid)"), STEP_TIMEOUT)?;
+    guest.run_ok(
+        &format!("kill -INT $(cat /tmp/{tag}.pid)"),
+        step_timeout(guest),
+    )?;
     Ok(())
 }
 
@@ -58,11 +67,12 @@ pub fn stop_traffic(guest: &dyn Shell, tag: &str) -> StepResult<()> {
 pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
     let out = guest.run_ok(
         &format!(
-            "i=0; while [ ! -s /tmp/{tag}.json ]; do \
-               i=$((i+1)); [ $i -gt 400 ] && {{ cat /tmp/{tag}.err; exit 1; }}; sleep 0.05; done; \
-             cat /tmp/{tag}.json"
+            "end=$(($(date +%s) + {s})); while [ ! -s /tmp/{tag}.json ]; do \
+               [ $(date +%s) -ge $end ] && {{ cat /tmp/{tag}.err; exit 1; }}; sleep 0.05; done; \
+             cat /tmp/{tag}.json",
+            s = 20 * guest.pace()
         ),
-        STEP_TIMEOUT,
+        step_timeout(guest),
     )?;
     let start = out
         .find('{')
@@ -74,13 +84,13 @@ pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
 /// process waits in the kernel (for a failing test: a hung unplug is a thread stuck on the
 /// device).
 pub fn dump_logs(guest: &dyn Shell) {
-    if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", STEP_TIMEOUT) {
+    if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", step_timeout(guest)) {
         eprintln!("---- guest {} traffic logs:\n{}", guest.name(), out.output);
     }
     let threads = "for p in $(pidof rdmamig-traffic); do for t in /proc/$p/task/*; do \
                    echo \"$t $(cat $t/comm) wchan=$(cat $t/wchan)\"; cat $t/stack 2>/dev/null | head -8; \
                    done; done";
-    if let Ok(out) = guest.run(threads, STEP_TIMEOUT) {
+    if let Ok(out) = guest.run(threads, step_timeout(guest)) {
         eprintln!(
             "---- guest {} traffic threads:\n{}",
             guest.name(),
@@ -90,7 +100,7 @@ pub fn dump_logs(guest: &dyn Shell) {
     // The kernel log's tail, after sysrq `w` added the stack of every blocked task: a hung
     // unplug's worker and what it waits for.
     let kernel = "echo w >/proc/sysrq-trigger; dmesg | tail -n 150";
-    if let Ok(out) = guest.run(kernel, STEP_TIMEOUT) {
+    if let Ok(out) = guest.run(kernel, step_timeout(guest)) {
         eprintln!("---- guest {} kernel log:\n{}", guest.name(), out.output);
     }
 }
@@ -98,7 +108,7 @@ pub fn dump_logs(guest: &dyn Shell) {
 /// The lines of `guest`'s kernel log (`dmesg`) that report a kernel problem, each headed by
 /// the guest's name. The log of a moved guest holds its source's too: it moved with the VM.
 pub fn kernel_problems(guest: &dyn Shell) -> StepResult<Vec<String>> {
-    let log = guest.run_ok("dmesg", STEP_TIMEOUT)?;
+    let log = guest.run_ok("dmesg", step_timeout(guest))?;
     Ok(crate::kernel_log::problem_lines(&log)
         .map(|line| format!("{}: {line}", guest.name()))
         .collect())
@@ -129,7 +139,7 @@ pub fn start_holder(guest: &dyn Shell) -> StepResult<u32> {
              grep -qi ':4853 ' /proc/net/tcp /proc/net/tcp6 2>/dev/null && \
              echo holder $(cat /run/holder.pid) && exit 0; \
            n=$((n+1)); sleep 0.2; done; cat /run/holder.log; exit 1",
-        STEP_TIMEOUT,
+        step_timeout(guest),
     )?;
     let pid = out
         .lines()
@@ -144,7 +154,7 @@ pub fn start_holder(guest: &dyn Shell) -> StepResult<u32> {
 pub fn ctl(guest: &dyn Shell, socket: &str, op: &str) -> StepResult<Value> {
     let out = guest.run_ok(
         &format!("rdmamig-traffic ctl --socket {socket} --deadline-ms 8000 {op}"),
-        STEP_TIMEOUT,
+        step_timeout(guest),
     )?;
     let line = out
         .lines()

@@ -275,6 +275,7 @@ impl Testbed {
             memory_mib: GUEST_MEMORY_MIB,
             vsock_cid: None,
             iommu: false,
+            cpus: 1,
         })
     }
 
@@ -446,7 +447,7 @@ fn in_path(program: &str) -> bool {
 }
 
 /// The workspace root (this crate lives in `<workspace>/tests`).
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     manifest_dir.parent().unwrap_or(manifest_dir).to_owned()
 }

@@ -178,6 +178,10 @@ struct Common {
     /// QP ACK timeout exponent (4.096 us x 2^n) of migratable connections.
     #[arg(long, default_value_t = 16)]
     ack_timeout: u8,
+    /// Seconds a migratable connection keeps trying to connect (a VM nested in a host
+    /// needs far more than the default).
+    #[arg(long, default_value_t = 10)]
+    connect_timeout_s: u64,
     /// One-sided mode: RDMA WRITE a region of the peer's exposed buffer before each message.
     #[arg(long)]
     one_sided: bool,
@@ -313,6 +317,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         conn: ConnectOptions {
             peer_wait: Duration::from_secs(c.peer_wait_s),
             ack_timeout: c.ack_timeout,
+            connect_timeout: Duration::from_secs(c.connect_timeout_s),
             max_message,
             bridge: c.bridge,
             ..ConnectOptions::default()
