@@ -33,9 +33,9 @@ pub enum SriovError {
         pf: String,
         /// What was being done.
         step: String,
-        /// What sysfs or VFIO said.
+        /// What sysfs or VFIO said (boxed: it is large, and this error is rare).
         #[source]
-        source: VfioError,
+        source: Box<VfioError>,
     },
     /// The PF shows fewer VFs than it was given.
     #[error("[[pool.sriov]] pf = {pf:?}: {found} VFs appeared, {asked} asked")]
@@ -72,7 +72,11 @@ pub fn prepare(
     for entry in &config.sriov {
         let step = |step: String| {
             let pf = entry.pf.clone();
-            move |source| SriovError::Step { pf, step, source }
+            move |source| SriovError::Step {
+                pf,
+                step,
+                source: Box::new(source),
+            }
         };
         sysfs
             .set_vfs(&entry.pf, entry.vfs)
