@@ -47,7 +47,7 @@ pub fn wait_ready(guest: &dyn Shell, tag: &str) -> StepResult<()> {
             "end=$(($(date +%s) + {s})); while [ ! -e /tmp/{tag}.ready ]; do \
                kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ cat /tmp/{tag}.err; exit 1; }}; \
                [ $(date +%s) -ge $end ] && exit 1; sleep 0.05; done",
-            s = 20 * guest.pace()
+            s = 25 * guest.pace()
         ),
         step_timeout(guest),
     )?;
@@ -70,7 +70,7 @@ pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
             "end=$(($(date +%s) + {s})); while [ ! -s /tmp/{tag}.json ]; do \
                [ $(date +%s) -ge $end ] && {{ cat /tmp/{tag}.err; exit 1; }}; sleep 0.05; done; \
              cat /tmp/{tag}.json",
-            s = 20 * guest.pace()
+            s = 25 * guest.pace()
         ),
         step_timeout(guest),
     )?;
