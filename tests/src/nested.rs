@@ -39,7 +39,7 @@ use crate::console::{CommandOutput, Console};
 use crate::guest::{GuestError, Shell};
 use crate::pki::{peer_table_in, Pki};
 use crate::steps::StepResult;
-use crate::testbed::{bin_dir, workspace_root, GUEST_BINARIES};
+use crate::testbed::{bin_dir, find_in_path, workspace_root, GUEST_BINARIES};
 use crate::{Guest, GuestSpec, NicModel, Testbed};
 
 /// iproute2's ip in the images. By its path: the images' busybox shell runs its own `ip`
@@ -100,7 +100,7 @@ pub fn build_images() -> StepResult<Images> {
         strip_debug: true,
         ..ImageSpec::default()
     })?;
-    let qemu = which("qemu-system-x86_64").ok_or("qemu-system-x86_64 is not in PATH")?;
+    let qemu = find_in_path("qemu-system-x86_64").ok_or("qemu-system-x86_64 is not in PATH")?;
     let mut host_programs = vec![qemu];
     if let Ok(entries) = std::fs::read_dir(QEMU_MODULE_DIR) {
         host_programs.extend(
@@ -139,13 +139,6 @@ pub fn build_images() -> StepResult<Images> {
         ..ImageSpec::default()
     })?;
     Ok(Images { vm, host })
-}
-
-fn which(program: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(program))
-        .find(|p| p.is_file())
 }
 
 /// One host: an L1 guest with an IOMMU and an igb PF, its bridge, and its daemon.

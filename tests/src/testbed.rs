@@ -442,8 +442,15 @@ fn qemu_major(version: &str) -> Option<u32> {
 }
 
 fn in_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()))
+    find_in_path(program).is_some()
+}
+
+/// Where `program` is in PATH, if anywhere.
+pub(crate) fn find_in_path(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
 }
 
 /// The workspace root (this crate lives in `<workspace>/tests`).
