@@ -258,7 +258,12 @@ impl AgentClient {
     ) -> Result<Vec<ConnectionInfo>, AgentError> {
         const REQUEST: &str = "list connections";
         match self
-            .request(AgentCommand::ListConnections, deadline)
+            .request(
+                AgentCommand::ListConnections {
+                    deadline_ms: Some(deadline.as_millis() as u64),
+                },
+                deadline,
+            )
             .await?
         {
             AgentResult::Connections { connections } => {
@@ -431,7 +436,7 @@ impl AgentClient {
 fn command_name(command: &AgentCommand) -> &'static str {
     match command {
         AgentCommand::Ping => "ping",
-        AgentCommand::ListConnections => "list connections",
+        AgentCommand::ListConnections { .. } => "list connections",
         AgentCommand::ListUnmanaged => "list unmanaged programs",
         AgentCommand::Quiesce { .. } => "quiesce",
         AgentCommand::Resume { .. } => "resume",

@@ -25,7 +25,13 @@ pub enum AgentCommand {
     /// Liveness and version check.
     Ping,
     /// Every migratable connection registered in the guest.
-    ListConnections,
+    ListConnections {
+        /// Time the agent may take, in milliseconds. Processes that have not described
+        /// their connections by half of it are listed as they last were. A host that sends
+        /// none gets the agent's own bound, a few seconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
+    },
     /// Every process that holds an RDMA device and is not a library user: the programs a
     /// move would break.
     ListUnmanaged,
@@ -231,7 +237,10 @@ mod tests {
     fn requests_round_trip_through_a_frame() {
         for command in [
             AgentCommand::Ping,
-            AgentCommand::ListConnections,
+            AgentCommand::ListConnections { deadline_ms: None },
+            AgentCommand::ListConnections {
+                deadline_ms: Some(60_000),
+            },
             AgentCommand::ListUnmanaged,
             AgentCommand::Quiesce {
                 deadline_ms: 5000,

@@ -64,8 +64,10 @@ impl Agent {
             AgentCommand::Ping => AgentResult::Pong {
                 version: env!("CARGO_PKG_VERSION").to_string(),
             },
-            AgentCommand::ListConnections => AgentResult::Connections {
-                connections: self.apps.describe(DESCRIBE_TIMEOUT),
+            AgentCommand::ListConnections { deadline_ms } => AgentResult::Connections {
+                // A slow guest (nested, loaded) may need more than the default: the host's
+                // deadline says how much it can give.
+                connections: self.apps.describe(listing_timeout(deadline_ms)),
             },
             AgentCommand::ListUnmanaged => AgentResult::Unmanaged {
                 programs: release::unmanaged(&self.apps, &self.proc_root),
@@ -142,6 +144,17 @@ fn deadline_from(start: Instant, deadline_ms: u64) -> Instant {
     // The host's number is not trusted to fit: past the bound it is the bound.
     let asked = Duration::from_millis(deadline_ms.min(MAX_HOST_DEADLINE_MS));
     start + asked.saturating_sub(ANSWER_MARGIN)
+}
+
+/// How long a listing waits for the processes' descriptions: half the host's deadline, and
+/// at least [`DESCRIBE_TIMEOUT`] when the deadline leaves that much. A slow guest (nested,
+/// loaded) needs more than the default; the host's deadline says how much it can give.
+fn listing_timeout(deadline_ms: Option<u64>) -> Duration {
+    let Some(ms) = deadline_ms else {
+        return DESCRIBE_TIMEOUT;
+    };
+    let allowed = Duration::from_millis(ms.min(MAX_HOST_DEADLINE_MS)).saturating_sub(ANSWER_MARGIN);
+    (allowed / 2).max(DESCRIBE_TIMEOUT.min(allowed))
 }
 
 fn remaining_ms(deadline: Instant) -> u64 {
@@ -240,6 +253,20 @@ mod tests {
             AgentResult::Outcomes { outcomes, .. } => assert!(outcomes.is_empty()),
             other => panic!("expected outcomes, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_listing_waits_half_the_hosts_deadline_and_never_past_it() {
+        assert_eq!(listing_timeout(None), DESCRIBE_TIMEOUT);
+        // The prepare phase's 5 s default: the old bound, which fits.
+        assert_eq!(listing_timeout(Some(5000)), DESCRIBE_TIMEOUT);
+        assert_eq!(listing_timeout(Some(60_200)), Duration::from_secs(30));
+        assert_eq!(listing_timeout(Some(1200)), Duration::from_secs(1));
+        assert_eq!(listing_timeout(Some(0)), Duration::ZERO);
+        assert_eq!(
+            listing_timeout(Some(u64::MAX)),
+            Duration::from_millis(MAX_HOST_DEADLINE_MS).saturating_sub(ANSWER_MARGIN) / 2
+        );
     }
 
     #[test]
