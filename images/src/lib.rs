@@ -10,12 +10,14 @@
 //!
 //! Layout: [`cpio`] writes the archive, [`tree`] holds the file manifest, [`modules`] picks the
 //! kernel and resolves module dependencies, [`ldd`] finds libraries, [`init`] generates /init
-//! and the NIC hook. [`build`] ties them together and skips the write when nothing changed.
+//! and the NIC hook, [`pvh`] takes the ELF kernel out of the bzImage for a PVH boot. [`build`]
+//! ties them together and skips the write when nothing changed.
 
 pub mod cpio;
 pub mod init;
 pub mod ldd;
 pub mod modules;
+pub mod pvh;
 pub mod tree;
 
 use std::fs;
@@ -81,6 +83,8 @@ const VERBS_DRIVER_CONF: &str = "/etc/libibverbs.d/rxe.driver";
 const INITRAMFS_NAME: &str = "initramfs.cpio.gz";
 /// Name of the file recording the fingerprint of the inputs the initramfs was built from.
 const STAMP_NAME: &str = "initramfs.stamp";
+/// The ELF kernel's file name in the output directory.
+const KERNEL_NAME: &str = "vmlinux";
 
 /// What to build.
 #[derive(Debug, Clone, Default)]
@@ -108,7 +112,8 @@ pub struct ImageSpec {
 /// A built image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Image {
-    /// The kernel image (`/boot/vmlinuz-<version>`).
+    /// The ELF kernel for QEMU's PVH boot, taken out of `/boot/vmlinuz-<version>`
+    /// ([`pvh`]).
     pub kernel: PathBuf,
     /// The gzip-compressed newc initramfs.
     pub initramfs: PathBuf,
@@ -124,6 +129,9 @@ pub enum ImageError {
     /// No usable kernel.
     #[error("finding the guest kernel")]
     FindKernel(#[source] ModulesError),
+    /// The ELF kernel could not be taken out of the bzImage.
+    #[error("preparing the guest kernel for a PVH boot")]
+    Kernel(#[source] pvh::PvhError),
     /// The module set could not be resolved.
     #[error("resolving kernel modules for {version}")]
     ResolveModules {
@@ -227,11 +235,13 @@ pub fn build(spec: &ImageSpec) -> Result<Image, ImageError> {
         }
     })?;
 
+    let vmlinux = spec.out_dir.join(KERNEL_NAME);
+    pvh::extract(&kernel.image, &vmlinux).map_err(ImageError::Kernel)?;
     let initramfs = spec.out_dir.join(INITRAMFS_NAME);
     let stamp_path = spec.out_dir.join(STAMP_NAME);
     let stamp = format!("{:016x} {}\n", tree.fingerprint(), kernel.version);
     let image = |rebuilt| Image {
-        kernel: kernel.image.clone(),
+        kernel: vmlinux.clone(),
         initramfs: initramfs.clone(),
         kernel_version: kernel.version.clone(),
         rebuilt,
