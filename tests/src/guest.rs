@@ -30,6 +30,7 @@ use rdmamig_images::Image;
 
 use crate::console::{CommandOutput, Console, ConsoleError};
 use crate::qmp::{Qmp, QmpError};
+use serde_json::{json, Value};
 
 /// How long a guest may take from QEMU's start to `RDMAMIG-READY` (a boot takes ~6 s).
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -37,6 +38,8 @@ pub const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a stopping QEMU gets after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(3);
+/// How long saving or loading a snapshot may take: a 1.5 GiB host writes in ~10 s here.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// Console lines printed per guest in failure dumps.
 const DUMP_LINES: usize = 60;
 
@@ -125,6 +128,18 @@ pub enum GuestError {
         /// What went wrong.
         #[source]
         source: ConsoleError,
+    },
+    /// Saving the guest to a snapshot file, or starting it from one, did not complete.
+    #[error("{operation} snapshot {file} of guest {guest}: {status}")]
+    Snapshot {
+        /// The guest's name.
+        guest: String,
+        /// "saving" or "restoring".
+        operation: &'static str,
+        /// The snapshot file.
+        file: PathBuf,
+        /// QEMU's last migration status (and its error, if it gave one).
+        status: String,
     },
     /// QMP could not be reached.
     #[error("QMP of guest {guest}")]
@@ -527,6 +542,85 @@ impl Guest {
     /// Like [`Guest::run`], but a non-zero status is an error; returns the output.
     pub fn run_ok(&self, command: &str, timeout: Duration) -> Result<String, GuestError> {
         Shell::run_ok(self, command, timeout)
+    }
+
+    /// Saves the whole guest, memory and devices, to `file` and stops QEMU: a snapshot that
+    /// [`crate::Testbed::restore_guest`] starts again in seconds, where a nested boot takes
+    /// minutes. The guest is paused first, so the snapshot is one instant. Connections to the
+    /// guest's own servers (a nested VM's TCP console) should be closed before: a peer that
+    /// vanishes without closing leaves them taken after the restore.
+    pub fn save(&self, file: &Path) -> Result<(), GuestError> {
+        let mut qmp = self.qmp()?;
+        let qmp_error = |source| GuestError::Qmp {
+            guest: self.spec.name.clone(),
+            source,
+        };
+        qmp.execute("stop", Value::Null).map_err(qmp_error)?;
+        qmp.execute(
+            "migrate",
+            json!({ "uri": format!("file:{}", file.display()) }),
+        )
+        .map_err(qmp_error)?;
+        self.wait_migration(&mut qmp, "saving", file)?;
+        drop(qmp);
+        self.kill();
+        Ok(())
+    }
+
+    /// Loads snapshot `file` into this guest, started with `-incoming defer`, and runs it.
+    pub(crate) fn load(&self, file: &Path) -> Result<(), GuestError> {
+        let mut qmp = self.qmp()?;
+        let qmp_error = |source| GuestError::Qmp {
+            guest: self.spec.name.clone(),
+            source,
+        };
+        qmp.execute(
+            "migrate-incoming",
+            json!({ "uri": format!("file:{}", file.display()) }),
+        )
+        .map_err(qmp_error)?;
+        self.wait_migration(&mut qmp, "restoring", file)?;
+        // The guest was paused when it was saved, and stays so until told to run.
+        qmp.execute("cont", Value::Null).map_err(qmp_error)?;
+        Ok(())
+    }
+
+    /// Polls `query-migrate` until the save or load of `file` completes.
+    fn wait_migration(
+        &self,
+        qmp: &mut Qmp,
+        operation: &'static str,
+        file: &Path,
+    ) -> Result<(), GuestError> {
+        let failed = |status: String| GuestError::Snapshot {
+            guest: self.spec.name.clone(),
+            operation,
+            file: file.to_owned(),
+            status,
+        };
+        let deadline = Instant::now() + SNAPSHOT_TIMEOUT;
+        loop {
+            let info = qmp
+                .execute("query-migrate", Value::Null)
+                .map_err(|source| GuestError::Qmp {
+                    guest: self.spec.name.clone(),
+                    source,
+                })?;
+            match info["status"].as_str().unwrap_or("none") {
+                "completed" => return Ok(()),
+                "failed" | "cancelled" => {
+                    return Err(failed(format!(
+                        "{} ({})",
+                        info["status"],
+                        info["error-desc"].as_str().unwrap_or("no reason given")
+                    )))
+                }
+                status if Instant::now() >= deadline => {
+                    return Err(failed(format!("still {status} after {SNAPSHOT_TIMEOUT:?}")))
+                }
+                _ => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
     }
 
     /// Stops QEMU now (SIGTERM, then SIGKILL). Dropping the guest does the same.

@@ -324,6 +324,26 @@ impl Testbed {
         self.launch(spec, true, &self.image)
     }
 
+    /// Starts a guest saved by [`Guest::save`] again from `snapshot`, with `spec` and `image`
+    /// as it was started (the same command line; its taps may be the same once the saved
+    /// QEMU is gone), and returns once it runs.
+    pub fn restore_guest(
+        &self,
+        spec: GuestSpec,
+        image: &Image,
+        snapshot: &Path,
+    ) -> Result<Guest, TestbedError> {
+        let name = spec.name.clone();
+        let guest = self.launch(spec, true, image)?;
+        guest
+            .load(snapshot)
+            .map_err(|source| TestbedError::StartGuest {
+                guest: name,
+                source: Box::new(source),
+            })?;
+        Ok(guest)
+    }
+
     /// Prints every guest's console tail and QEMU log tail to stderr. Also done automatically
     /// when the test bed is dropped during a panic.
     pub fn dump_on_failure(&self) {
