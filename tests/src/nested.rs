@@ -61,7 +61,7 @@ const HOST_MEMORY_MIB: u32 = 1536;
 /// VM memory.
 const VM_MEMORY_MIB: u32 = 256;
 /// Where the host image keeps the VM image.
-const VM_KERNEL: &str = "/srv/vm/vmlinuz";
+const VM_KERNEL: &str = "/srv/vm/vmlinux";
 const VM_INITRAMFS: &str = "/srv/vm/initramfs.cpio.gz";
 /// The daemon's files in a host.
 const DAEMON_SOCKET: &str = "/run/rdmamig.sock";
@@ -71,9 +71,11 @@ const PKI_DIR: &str = "/etc/rdmamig/pki";
 pub const PEER_PORT: u16 = 7300;
 /// Console commands in a host: most are quick, some (a move) are not.
 const COMMAND: Duration = Duration::from_secs(60);
-/// Firmware QEMU loads for a q35 guest with `-kernel`.
+/// Firmware QEMU loads for a q35 guest with `-kernel` (pvh.bin boots the image's ELF
+/// kernel).
 const FIRMWARE: &[&str] = &[
     "/usr/share/seabios/bios-256k.bin",
+    "/usr/share/qemu/pvh.bin",
     "/usr/share/qemu/kvmvapic.bin",
     "/usr/share/qemu/linuxboot.bin",
     "/usr/share/qemu/linuxboot_dma.bin",
@@ -141,6 +143,15 @@ pub fn build_images() -> StepResult<Images> {
     Ok(Images { vm, host })
 }
 
+/// A host saved by [`Host::save`]: its snapshot file and what [`Host::restore`] needs to
+/// start it again, VMs and daemon running as they were.
+pub struct SavedHost {
+    spec: GuestSpec,
+    address: String,
+    pf: String,
+    file: PathBuf,
+}
+
 /// One host: an L1 guest with an IOMMU and an igb PF, its bridge, and its daemon.
 pub struct Host {
     guest: Guest,
@@ -193,6 +204,50 @@ impl Host {
             address,
             pf,
             netns: bed.netns().to_owned(),
+        })
+    }
+
+    /// Saves the host, with its daemon and VMs, to `file` (a snapshot of the whole L1 guest,
+    /// made by the test bed's QEMU) and stops it. Drop the [`Vm`] handles first: their
+    /// console connections would stay taken in the saved host.
+    ///
+    /// A VF in use does not survive this: QEMU 10's igbvf has no migration state, so a
+    /// restored VF's command register and MSI-X table are back at their reset values (no
+    /// DMA, no interrupts) while the drivers above believe otherwise; the PF is fine. Save
+    /// hosts whose VMs have no VF yet, and plug the VFs after the restore
+    /// ([`Host::plug_vf`]).
+    pub fn save(self, file: &Path) -> StepResult<SavedHost> {
+        // Let the VMs' QEMUs see their console clients go before the host is frozen.
+        self.guest.run_ok("sleep 2", COMMAND)?;
+        self.guest.save(file)?;
+        Ok(SavedHost {
+            spec: self.guest.spec().clone(),
+            address: self.address,
+            pf: self.pf,
+            file: file.to_owned(),
+        })
+    }
+
+    /// Starts a host saved by [`Host::save`] again, on the same taps: its daemon and VMs
+    /// carry on where they were. Only one copy of a saved host may run at a time.
+    pub fn restore(bed: &Testbed, images: &Images, saved: &SavedHost) -> StepResult<Host> {
+        let guest = bed.restore_guest(saved.spec.clone(), &images.host, &saved.file)?;
+        Ok(Host {
+            guest,
+            address: saved.address.clone(),
+            pf: saved.pf.clone(),
+            netns: bed.netns().to_owned(),
+        })
+    }
+
+    /// A handle on VM `spec`, already running in this host (a restored host's).
+    pub fn vm(&self, spec: VmSpec) -> StepResult<Vm> {
+        Ok(Vm {
+            console_at: SocketAddr::new(self.address.parse()?, spec.console_port()),
+            netns: self.netns.clone(),
+            console: Mutex::new(None),
+            dir: format!("/run/vm/{}", spec.name),
+            spec,
         })
     }
 
@@ -303,8 +358,8 @@ impl Host {
             .ok_or_else(|| format!("{}: no VF {name} in the pool", self.name()).into())
     }
 
-    /// Starts VM `spec` in this host (with `spec.vf` passed through, if any) and, unless it
-    /// is a migration destination, waits until it has booted and its VF has an ACTIVE
+    /// Starts VM `spec` in this host and, unless it is a migration destination, waits until
+    /// it has booted; with `spec.vf` passed through, also until the VF has an ACTIVE
     /// Soft-RoCE device.
     pub fn start_vm(&self, spec: VmSpec) -> StepResult<Vm> {
         let dir = format!("/run/vm/{}", spec.name);
@@ -341,19 +396,48 @@ impl Host {
                 .into());
             }
         }
-        let vm = Vm {
-            console_at: SocketAddr::new(self.address.parse()?, spec.console_port()),
-            netns: self.netns.clone(),
-            console: Mutex::new(None),
-            dir,
-            spec,
-        };
-        if !vm.spec.incoming {
+        let vm = self.vm(spec)?;
+        if !vm.spec.incoming && vm.spec.vf.is_some() {
             // The VF's carrier may come later than the image's own wait for it (TESTBED.md:
             // ~29 s of VM time); the NIC hook keeps trying.
             vm.run_ok("rdmamig-netplug wait-active 300", Duration::from_secs(330))?;
         }
         Ok(vm)
+    }
+
+    /// Plugs VF `vf` into running VM `vm` as `nic0` on `rp1` (QMP `device_add`, as a VMM
+    /// does), and waits until the VM's own igbvf drives it with an ACTIVE Soft-RoCE device.
+    pub fn plug_vf(&self, vm: &Vm, vf: &str) -> StepResult<()> {
+        let add = format!(
+            r#"{{"execute":"device_add","arguments":{{"driver":"vfio-pci","host":"{vf}","id":"nic0","bus":"rp1"}}}}"#
+        );
+        // The host's busybox has no UNIX-socket client: the VM's second QMP monitor
+        // listens on the host's loopback. device_add answers once the device is realized
+        // (its DMA mapped through the host's IOMMU), which takes seconds nested.
+        let out = self.guest.run_ok(
+            &format!(
+                "out={dir}/plug.qmp; : >$out; \
+                 {{ echo '{{\"execute\":\"qmp_capabilities\"}}'; echo '{add}'; sleep {wait}; }} | \
+                   nc 127.0.0.1 {port} >$out & p=$!; i=0; \
+                 until [ $(grep -c -e '\"return\"' -e '\"error\"' $out) -ge 2 ]; do \
+                   i=$((i+1)); [ $i -gt {polls} ] && break; sleep 0.5; done; kill $p 2>/dev/null; cat $out",
+                dir = vm.dir,
+                port = vm.spec.qmp_port(),
+                wait = COMMAND.as_secs(),
+                polls = COMMAND.as_secs() * 2,
+            ),
+            COMMAND + COMMAND,
+        )?;
+        if out.contains("\"error\"") || out.matches("\"return\"").count() < 2 {
+            return Err(format!(
+                "{}: device_add {vf} into {}: {out}",
+                self.name(),
+                vm.spec.name
+            )
+            .into());
+        }
+        vm.run_ok("rdmamig-netplug wait-active 300", Duration::from_secs(330))?;
+        Ok(())
     }
 
     /// What the host shows of its VMs and daemon, for a failure report.
@@ -378,8 +462,8 @@ pub struct VmSpec {
     /// Its number: addresses 10.77.0.<n> (VF) and 10.78.0.<n> (permanent NIC), MACs to
     /// match; a destination has its source's.
     pub number: u8,
-    /// The VF passed through at start, by PCI address; `None` for a destination, whose VF
-    /// is plugged after the move.
+    /// The VF passed through at start, by PCI address; `None` for a VM whose VF is plugged
+    /// later ([`Host::plug_vf`]) and for a destination, whose VF is plugged by the move.
     pub vf: Option<String>,
     /// A migration destination (`-incoming defer`).
     pub incoming: bool,
@@ -388,14 +472,22 @@ pub struct VmSpec {
 }
 
 impl VmSpec {
-    /// A VM with VF `vf`.
-    pub fn new(name: &str, number: u8, vf: &str) -> VmSpec {
+    /// A VM with no VF yet.
+    pub fn new(name: &str, number: u8) -> VmSpec {
         VmSpec {
             name: name.into(),
             number,
-            vf: Some(vf.into()),
+            vf: None,
             incoming: false,
             console_slot: 0,
+        }
+    }
+
+    /// The same VM with VF `vf` passed through at start.
+    pub fn with_vf(self, vf: &str) -> VmSpec {
+        VmSpec {
+            vf: Some(vf.into()),
+            ..self
         }
     }
 
@@ -421,6 +513,11 @@ impl VmSpec {
         format!("10.77.0.{}", self.number)
     }
 
+    /// Its permanent NIC's address (the `bridge` strategy's path).
+    pub fn permanent_address(&self) -> String {
+        format!("10.78.0.{}", self.number)
+    }
+
     /// The MAC the VM gives its VF.
     pub fn mac(&self) -> String {
         format!("52:54:00:77:00:{:02x}", self.number)
@@ -428,6 +525,11 @@ impl VmSpec {
 
     fn console_port(&self) -> u16 {
         5000 + u16::from(self.number) * 4 + u16::from(self.console_slot)
+    }
+
+    /// Its second QMP monitor, on the host's loopback (for the host's shell).
+    fn qmp_port(&self) -> u16 {
+        6000 + u16::from(self.number) * 4 + u16::from(self.console_slot)
     }
 
     /// Its QMP socket in the host.
@@ -464,6 +566,10 @@ fn vm_args(spec: &VmSpec, host: &str, dir: &str, tap: &str) -> Vec<String> {
         ),
         "-serial chardev:ser0".into(),
         format!("-qmp unix:{dir}/qmp.sock,server=on,wait=off"),
+        format!(
+            "-qmp tcp:127.0.0.1:{},server=on,wait=off",
+            spec.qmp_port()
+        ),
         "-device pcie-root-port,id=rp1,slot=1,chassis=1".into(),
         "-device pcie-root-port,id=rp2,slot=2,chassis=2".into(),
         "-device pcie-root-port,id=rp3,slot=3,chassis=3".into(),
@@ -593,7 +699,7 @@ mod tests {
 
     #[test]
     fn a_destination_keeps_its_sources_addresses_but_not_its_console() {
-        let source = VmSpec::new("mv", 101, "0000:01:10.0");
+        let source = VmSpec::new("mv", 101).with_vf("0000:01:10.0");
         let destination = source.destination("mv-dst");
         assert_eq!(destination.address(), source.address());
         assert_eq!(destination.mac(), source.mac());

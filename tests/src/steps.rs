@@ -84,8 +84,13 @@ pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
 /// process waits in the kernel (for a failing test: a hung unplug is a thread stuck on the
 /// device).
 pub fn dump_logs(guest: &dyn Shell) {
-    if let Ok(out) = guest.run("tail -n 40 /tmp/*.err /tmp/*.out", step_timeout(guest)) {
-        eprintln!("---- guest {} traffic logs:\n{}", guest.name(), out.output);
+    let logs = "tail -n 40 /tmp/*.err /tmp/*.out /run/agent.log";
+    if let Ok(out) = guest.run(logs, step_timeout(guest)) {
+        eprintln!(
+            "---- guest {} traffic and agent logs:\n{}",
+            guest.name(),
+            out.output
+        );
     }
     let threads = "for p in $(pidof rdmamig-traffic); do for t in /proc/$p/task/*; do \
                    echo \"$t $(cat $t/comm) wchan=$(cat $t/wchan)\"; cat $t/stack 2>/dev/null | head -8; \
