@@ -60,6 +60,8 @@ pub struct HostState {
     pub destination_gone: bool,
     pub source_devices: BTreeSet<String>,
     pub destination_devices: BTreeSet<String>,
+    /// Every device plugged, in order: which side, and its properties.
+    pub plugged: Vec<(Where, DeviceSpec)>,
     pub migrating: bool,
     pub guest: Where,
     pub quiesced: bool,
@@ -89,6 +91,7 @@ impl FakeHost {
             destination_gone: false,
             source_devices: BTreeSet::from(["nic0".to_string()]),
             destination_devices: BTreeSet::new(),
+            plugged: Vec::new(),
             migrating: false,
             guest: Where::Source,
             quiesced: false,
@@ -215,6 +218,7 @@ impl Vmm for FakeVmm {
         if !devices.insert(device.id().into()) {
             return Err(refused("add device"));
         }
+        state.plugged.push((self.side, device.clone()));
         Ok(AddedDevice {
             id: device.id().into(),
             bdf: None,

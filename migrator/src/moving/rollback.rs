@@ -186,6 +186,21 @@ impl Mover {
         }
     }
 
+    /// The device to plug back on the source: `--reattach`; else the source function (a
+    /// VF by its PCI address) with the `--attach` properties; else `--attach` itself.
+    fn reattach_device(&self) -> Result<rdmamig_vmm::DeviceSpec, StepError> {
+        let spec = self.plan.reattach_spec().ok_or(StepError::NotNamed {
+            what: "the device to plug back on the source (pre-migrate --reattach)",
+        })?;
+        let function = self.plan.source_function.as_deref();
+        match function.and_then(|name| self.context.pool.attachment(name)) {
+            Some(attachment) if self.plan.reattach.is_none() => {
+                Ok(crate::pool::device_for(&attachment, spec))
+            }
+            _ => Ok(spec.clone()),
+        }
+    }
+
     /// Plugs the device back on the source, resumes the connections there, and gives back
     /// the destination's function.
     pub(super) async fn undo_on_source(
@@ -198,13 +213,7 @@ impl Mover {
         let steps_of = self.strategy.steps();
         if reached >= Phase::Detach && steps_of.device_moves.is_none() {
             let source = self.source_vmm().await?;
-            let spec = self
-                .plan
-                .reattach_spec()
-                .cloned()
-                .ok_or(StepError::NotNamed {
-                    what: "the device to plug back on the source (pre-migrate --reattach)",
-                })?;
+            let spec = self.reattach_device()?;
             if source.has_device(spec.id()).await? {
                 steps.push(format!("device {} already back on the source", spec.id()));
             } else {

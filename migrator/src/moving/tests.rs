@@ -7,6 +7,7 @@ use crate::plan::tests::plan;
 use crate::pool::FunctionState;
 use crate::unmanaged::Fate;
 use rdmamig_proto::agent::UnmanagedProgram;
+use rdmamig_vmm::DeviceSpec;
 
 struct Bed {
     host: FakeHost,
@@ -674,6 +675,33 @@ async fn the_detached_function_is_reset_then_returned_or_quarantined() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn a_rollback_plugs_the_source_vf_back_by_its_pci_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let config: crate::config::Config =
+        toml::from_str("[[pool.function]]\nname = \"vf9\"\npci = \"0000:3b:00.7\"\n").unwrap();
+    let mut bed = Bed::new();
+    bed.pool = Arc::new(Pool::open(&config.pool, &dir.path().join("pool.json")).unwrap());
+    bed.pool.reserve("earlier").unwrap();
+    bed.pool.attach("vf9", "earlier", "vm1").unwrap();
+    bed.host.fail("src.wait_migration", Fault::Refuse);
+    let mut plan = plan();
+    plan.source_function = Some("vf9".into());
+    // As for a VF from the destination's pool: --attach gives id, bus and MAC, no host.
+    plan.attach =
+        Some(DeviceSpec::parse("driver=vfio-pci,id=nic0,bus=rp1,mac=52:54:00:77:00:65").unwrap());
+    let report = bed.run(plan).await;
+    assert_back_on_source(&bed, &report, true);
+    let state = bed.host.state();
+    let (side, device) = state.plugged.last().unwrap();
+    assert_eq!(*side, Where::Source);
+    let properties = device.properties();
+    assert_eq!(properties["driver"], "vfio-pci");
+    assert_eq!(properties["host"], "0000:3b:00.7");
+    assert_eq!(properties["id"], "nic0");
+    assert!(!properties.contains_key("mac"), "{properties:?}");
 }
 
 #[tokio::test]
