@@ -214,6 +214,14 @@ impl DestinationHost for LocalDestination {
                 let attachment = self.pool.attachment(name).ok_or_else(|| {
                     StepError::Pool(crate::pool::PoolError::Unknown { name: name.into() })
                 })?;
+                // A VF gets the VM's MAC (`mac=` of --attach) through its PF first: the
+                // guest's driver then finds it there (see vf_mac).
+                if let (Attachment::Vfio { pci }, Some(mac)) = (
+                    &attachment,
+                    device.properties().get("mac").and_then(|m| m.as_str()),
+                ) {
+                    crate::vf_mac::set(&crate::vfio::Sysfs::default(), pci, mac)?;
+                }
                 device_for(&attachment, device)
             }
             None => device.clone(),

@@ -212,7 +212,9 @@ pub struct MoveFlags {
     pub detach: String,
     /// The device to plug on the destination, as device properties:
     /// QEMU 'driver=virtio-net-pci,id=nic1,netdev=nd0,bus=rp1,mac=52:54:00:77:00:11';
-    /// both VMMs 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'.
+    /// both VMMs 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'. With --from-pool and a VF,
+    /// 'mac=' is the VM's MAC, which the destination sets on the VF through its PF before
+    /// the plug (`ip link set <PF> vf <N> mac`), so the guest finds it there.
     #[arg(long)]
     pub attach: DeviceSpec,
     /// The device to plug back on the source if the move rolls back after the detach

@@ -10,6 +10,7 @@
 //! - [`config`]: the daemon's config file (`[pool]`, `[peer]`, `[moves]`);
 //! - [`pool`]: the host's passthrough functions (their states persist);
 //! - [`sriov`]: the VFs the pool config asks for, created and bound to vfio-pci at start;
+//! - [`vf_mac`]: a VF's MAC, set through its PF (rtnetlink) before the VF is plugged;
 //! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
 //!   migration support);
 //! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
@@ -63,5 +64,6 @@ pub mod strategy;
 pub mod svg;
 pub mod timeline;
 pub mod unmanaged;
+pub mod vf_mac;
 pub mod vfio;
 pub mod vfio_migrate;

@@ -13,6 +13,7 @@ use crate::machine::Phase;
 use crate::peer::tls::PeerError;
 use crate::pool::PoolError;
 use crate::strategy::StrategyError;
+use crate::vf_mac::VfMacError;
 
 /// Time a step may overrun its deadline before it is given up on: every call inside has
 /// its own deadline, so this only catches a call that ignores it.
@@ -39,6 +40,9 @@ pub enum StepError {
     /// The strategy asked for cannot run.
     #[error(transparent)]
     Strategy(#[from] StrategyError),
+    /// The VF to plug could not be given the VM's MAC.
+    #[error(transparent)]
+    VfMac(#[from] VfMacError),
     /// A VMM is not in the state the phase needs.
     #[error("the {side} VM is {state}, {expected}")]
     VmState {
@@ -127,6 +131,7 @@ impl StepError {
             StepError::Peer(e) => e.is_timeout(),
             StepError::Journal(_)
             | StepError::Strategy(_)
+            | StepError::VfMac(_)
             | StepError::Pool(_)
             | StepError::VmState { .. }
             | StepError::ConnectionsLost { .. }
