@@ -405,6 +405,25 @@ impl Host {
         Ok(vm)
     }
 
+    /// Gives VF `vf` (a PCI address) the MAC `mac` through its PF, as an operator does
+    /// before passing a VF through (`ip link set <PF> vf <n> mac`). Without it the VM's own
+    /// driver asks the PF for its MAC over the mailbox, and igb refuses ("VF n attempted to
+    /// set invalid MAC filter") while the VF's link waits.
+    pub fn set_vf_mac(&self, vf: &str, mac: &str) -> StepResult<()> {
+        self.guest.run_ok(
+            &format!(
+                "pf=/sys/bus/pci/devices/{pf}; dev=$(ls $pf/net); n=; \
+                 for l in $pf/virtfn*; do \
+                   [ \"$(basename $(readlink $l))\" = {vf} ] && n=${{l##*virtfn}}; done; \
+                 [ -n \"$n\" ] || {{ echo 'no VF {vf} on PF {pf}'; exit 1; }}; \
+                 {IP} link set dev $dev vf $n mac {mac}",
+                pf = self.pf
+            ),
+            COMMAND,
+        )?;
+        Ok(())
+    }
+
     /// Plugs VF `vf` into running VM `vm` as `nic0` on `rp1` (QMP `device_add`, as a VMM
     /// does), and waits until the VM's own igbvf drives it with an ACTIVE Soft-RoCE device.
     pub fn plug_vf(&self, vm: &Vm, vf: &str) -> StepResult<()> {

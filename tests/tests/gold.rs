@@ -1,0 +1,524 @@
+//! The gold scenario: a VM whose RDMA NIC is a real SR-IOV VF, passed through by real VFIO,
+//! moves to another host with live RDMA traffic, and gets that host's VF.
+//!
+//! Two hosts ([`rdmamig_testbed::nested`]): test-bed guests with an emulated IOMMU and an
+//! igb PF on the test bed's bridge, each running QEMU (TCG) for its VMs and the rdmamig
+//! daemon with its own config, pool and state. The daemons create their own VFs
+//! (`[[pool.sriov]]`), bind them to vfio-pci and talk mutual TLS with certificates made
+//! here. Host A runs the moving VM `mv` on A's VF; host B runs its peer `peer` on B's other
+//! VF. The VMs' own igbvf drivers drive the VFs, with Soft-RoCE on them.
+//!
+//! A nested VM boots in minutes, so the hosts are built once (images, boot, daemons, the
+//! VMs) and saved; every scenario restores both hosts from their snapshots and plugs the VFs
+//! (a VF in use does not survive a snapshot: QEMU 10's igbvf has no migration state).
+//! Scenarios, in order (name some to run only those):
+//! - `reconnect`: migratable traffic survives the move with nothing lost;
+//! - `bridge`: the same, carried over TCP on the VMs' permanent NICs meanwhile;
+//! - `naive`: plain rdma_cm traffic across the same move, for the comparison (it loses);
+//! - `held_device`: a raw verbs program holds the VF; `--unmanaged release` ends it and the
+//!   move goes on, and the report names it.
+//!
+//! Every move asks B's daemon, as the destination migrator, to reserve a VF from its pool,
+//! ready the destination QEMU, give the VF the VM's MAC and plug it after the migration,
+//! and resume the connections; A's daemon resets A's VF through VFIO after the unplug and returns it to
+//! its pool.
+//!
+//! `cargo test --release -p rdmamig-testbed --test gold [-- <scenario>...]`, after
+//! `cargo build --release --workspace`. Needs root, /dev/net/tun and qemu-system-x86_64 10;
+//! fails (never skips) without them. Takes long: see docs/testbed.md.
+
+use std::time::{Duration, Instant};
+
+use rdmamig_testbed::nested::{build_images, Host, Images, SavedHost, Vm, VmSpec, HARNESS_ADDRESS};
+use rdmamig_testbed::pki::Pki;
+use rdmamig_testbed::steps::{
+    collect_report, dump_logs, finish_clean_flow, start_holder, start_traffic, stop_traffic,
+    wait_ready, StepResult, FLOW_PORT,
+};
+use rdmamig_testbed::{Shell, Testbed};
+use serde_json::Value;
+
+/// The moving VM's number (its addresses and MACs), and its peer's.
+const MOVER: u8 = 101;
+const PEER: u8 = 102;
+/// The moving VM's name in the moves, and the destination QEMU's.
+const MOVER_NAME: &str = "mv";
+const DESTINATION_NAME: &str = "mv-dst";
+/// The traffic's tag.
+const TAG: &str = "flow";
+/// Where host B receives the migration stream.
+const MIGRATION_PORT: u16 = 4444;
+/// Phase deadlines for nested TCG, where a VF's unplug and a new VF's link take minutes.
+const DEADLINES: &[&str] = &[
+    "prepare=180000",
+    "quiesce=120000",
+    "detach=300000",
+    "migrate=300000",
+    "attach=300000",
+    "resume=900000",
+];
+/// The bound on a whole `rdmamig migrate` in a host.
+const MOVE_TIMEOUT: Duration = Duration::from_secs(40 * 60);
+/// Console commands that take a while in a nested VM.
+const SLOW: Duration = Duration::from_secs(300);
+
+/// What every scenario starts from: the test bed, the images, and both hosts saved with
+/// their daemons and their VMs booted (without VFs).
+struct Base {
+    bed: Testbed,
+    images: Images,
+    a: SavedHost,
+    b: SavedHost,
+    mover: VmSpec,
+    peer: VmSpec,
+}
+
+impl Base {
+    fn build() -> StepResult<Base> {
+        let started = Instant::now();
+        let bed = Testbed::new("gold")?;
+        bed.add_bridge_address(HARNESS_ADDRESS)?;
+        let images = build_images()?;
+        eprintln!("gold: images in {:?}", started.elapsed());
+        let boot = |name| Host::boot(&bed, &images, name).map_err(|e| e.to_string());
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| boot("a"));
+            let b = s.spawn(|| boot("b"));
+            (
+                a.join().expect("boot thread"),
+                b.join().expect("boot thread"),
+            )
+        });
+        let (a, b) = (a?, b?);
+        eprintln!("gold: hosts booted at {:?}", started.elapsed());
+        let pki = Pki::new(&bed.dir().join("pki"))?;
+        pki.issue_for("a", &[a.address()])?;
+        pki.issue_for("b", &[b.address()])?;
+        eprintln!("{}", a.start_daemon(&pki, 1, &[("b", b.address())])?);
+        eprintln!("{}", b.start_daemon(&pki, 2, &[("a", a.address())])?);
+        for host in [&a, &b] {
+            check_vfs(host)?;
+        }
+        let mover = VmSpec::new(MOVER_NAME, MOVER);
+        let peer = VmSpec::new("peer", PEER);
+        assign(&a, "vf0", MOVER_NAME)?;
+        assign(&b, "vf0", &peer.name)?;
+        // One nested boot at a time has both cores: B waits, stopped, while A's VM boots,
+        // and A is saved (stopped) before B's VM boots.
+        b.shell().qmp()?.execute("stop", Value::Null)?;
+        drop(a.start_vm(mover.clone())?);
+        eprintln!("gold: {MOVER_NAME} booted in A at {:?}", started.elapsed());
+        let a = a.save(&bed.dir().join("a.snapshot"))?;
+        b.shell().qmp()?.execute("cont", Value::Null)?;
+        drop(b.start_vm(peer.clone())?);
+        eprintln!("gold: peer booted in B at {:?}", started.elapsed());
+        let b = b.save(&bed.dir().join("b.snapshot"))?;
+        eprintln!("gold: base saved at {:?}", started.elapsed());
+        Ok(Base {
+            bed,
+            images,
+            a,
+            b,
+            mover,
+            peer,
+        })
+    }
+}
+
+/// Checks that every function in `host`'s pool is an igb VF on vfio-pci, alone in its IOMMU
+/// group, with FLR: what the daemon's SR-IOV preparation must have made of them.
+fn check_vfs(host: &Host) -> StepResult<()> {
+    let pool = host.pool()?;
+    if pool.is_empty() {
+        return Err(format!("{}: empty pool", host.name()).into());
+    }
+    for function in &pool {
+        let pci = function["attachment"]["pci"]
+            .as_str()
+            .ok_or_else(|| format!("{}: not a VFIO function: {function}", host.name()))?;
+        let seen = host.shell().run_ok(
+            &format!(
+                "d=/sys/bus/pci/devices/{pci}; echo $(cat $d/vendor):$(cat $d/device) \
+                 $(basename $(readlink $d/driver)) $(cat $d/reset_method) \
+                 $(ls $d/iommu_group/devices | wc -l)"
+            ),
+            SLOW,
+        )?;
+        if seen.trim() != "0x8086:0x10ca vfio-pci flr 1" {
+            return Err(format!("{}: VF {pci} is {seen:?}", host.name()).into());
+        }
+    }
+    Ok(())
+}
+
+/// `rdmamig pool assign <function> --vm <vm>` in `host`.
+fn assign(host: &Host, function: &str, vm: &str) -> StepResult<()> {
+    let out = host.rdmamig(&format!("pool assign {function} --vm {vm}"), SLOW)?;
+    if out.status != 0 {
+        return Err(format!("{}: pool assign {function}: {}", host.name(), out.output).into());
+    }
+    Ok(())
+}
+
+/// Both hosts restored, with each VM's VF plugged and its Soft-RoCE device ACTIVE.
+struct Running {
+    a: Host,
+    b: Host,
+    mover: Vm,
+    peer: Vm,
+}
+
+impl Running {
+    /// Restores both hosts, plugs the VFs, then runs `body`; on an error, prints what the
+    /// hosts and VMs show (and waits for a probe, see [`probe`]).
+    fn scenario(base: &Base, body: impl FnOnce(&Running) -> StepResult<()>) -> StepResult<()> {
+        let a = Host::restore(&base.bed, &base.images, &base.a)?;
+        let b = Host::restore(&base.bed, &base.images, &base.b)?;
+        let run = Running {
+            mover: a.vm(base.mover.clone())?,
+            peer: b.vm(base.peer.clone())?,
+            a,
+            b,
+        };
+        let result = run.plug_vfs().and_then(|()| body(&run));
+        if let Err(e) = &result {
+            eprintln!("gold: failed: {e}");
+            let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+            eprintln!("{}\n{}", run.a.dump(), run.b.dump());
+            for vm in [&run.mover, &run.peer, &destination] {
+                dump_logs(vm);
+            }
+            probe(&[
+                ("a", run.a.shell()),
+                ("b", run.b.shell()),
+                ("mv", &run.mover),
+                ("peer", &run.peer),
+                ("dst", &destination),
+            ]);
+        }
+        result
+    }
+
+    /// Gives each VM's VF the VM's MAC and plugs it, both at once, then checks that the
+    /// VMs reach each other over their VFs.
+    fn plug_vfs(&self) -> StepResult<()> {
+        let started = Instant::now();
+        let a_vf = self.a.function_pci("vf0")?;
+        let b_vf = self.b.function_pci("vf0")?;
+        self.a.set_vf_mac(&a_vf, &self.mover.spec().mac())?;
+        self.b.set_vf_mac(&b_vf, &self.peer.spec().mac())?;
+        let (plugged_a, plugged_b) = std::thread::scope(|s| {
+            let plug_a = s.spawn(|| {
+                self.a
+                    .plug_vf(&self.mover, &a_vf)
+                    .map_err(|e| e.to_string())
+            });
+            let plug_b = s.spawn(|| self.b.plug_vf(&self.peer, &b_vf).map_err(|e| e.to_string()));
+            (plug_a.join().expect("plug"), plug_b.join().expect("plug"))
+        });
+        plugged_a?;
+        plugged_b?;
+        self.mover.run_ok(
+            &format!("ping -c 3 -W 10 {}", self.peer.spec().address()),
+            SLOW,
+        )?;
+        eprintln!("gold: VFs plugged, ping ok in {:?}", started.elapsed());
+        Ok(())
+    }
+}
+
+/// With `RDMAMIG_GOLD_PROBE=<dir>` set, a failed scenario keeps its hosts and VMs running
+/// and runs each command written to `<dir>/<shell>.cmd` (shells: a, b, mv, peer, dst),
+/// answering in `<dir>/<shell>.out`, until `<dir>/done` exists: a way in for whoever
+/// debugs the test bed, where a base takes a quarter of an hour to build.
+fn probe(shells: &[(&str, &dyn Shell)]) {
+    let Some(dir) = std::env::var_os("RDMAMIG_GOLD_PROBE").map(std::path::PathBuf::from) else {
+        return;
+    };
+    eprintln!(
+        "gold: probing: write {}/<a|b|mv|peer|dst>.cmd, then touch done",
+        dir.display()
+    );
+    let _ = std::fs::create_dir_all(&dir);
+    while !dir.join("done").exists() {
+        for (name, shell) in shells {
+            let cmd = dir.join(format!("{name}.cmd"));
+            let Ok(command) = std::fs::read_to_string(&cmd) else {
+                continue;
+            };
+            let _ = std::fs::remove_file(&cmd);
+            let answer = match shell.run(command.trim(), SLOW) {
+                Ok(out) => format!("status {}\n{}", out.status, out.output),
+                Err(e) => format!("error: {e}"),
+            };
+            let _ = std::fs::write(dir.join(format!("{name}.out")), answer);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The traffic a scenario runs between the peer (server) and the moving VM.
+#[derive(Clone, Copy, PartialEq)]
+enum Traffic {
+    /// rdmamig's library.
+    Migratable,
+    /// The library, with its TCP bridge on the VMs' permanent NICs.
+    Bridged,
+    /// Plain rdma_cm, as applications are written today.
+    Plain,
+}
+
+fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
+    let server = format!("{}:{FLOW_PORT}", run.peer.spec().address());
+    let mut common = String::from("--rate 20 --connect-timeout-s 120 --peer-wait-s 600");
+    match traffic {
+        Traffic::Plain => common.push_str(" --mode plain"),
+        Traffic::Migratable => common.push_str(" --mode migratable"),
+        Traffic::Bridged => common.push_str(&format!(
+            " --mode migratable --bridge {}:{FLOW_PORT}",
+            run.peer.spec().permanent_address()
+        )),
+    }
+    start_traffic(&run.peer, TAG, &format!("serve --listen {server} {common}"))?;
+    start_traffic(&run.mover, TAG, &format!("connect --to {server} {common}"))?;
+    wait_ready(&run.peer, TAG)?;
+    wait_ready(&run.mover, TAG)?;
+    // Messages flowing before the move, and the connection registered with the agent.
+    std::thread::sleep(Duration::from_secs(10));
+    Ok(())
+}
+
+/// Moves the VM from A to B with `strategy` and `extra` arguments, B's daemon doing the
+/// destination's duties; returns the report.
+fn migrate(run: &Running, base: &Base, strategy: &str, extra: &str) -> StepResult<Value> {
+    let destination = base.mover.destination(DESTINATION_NAME);
+    drop(run.b.start_vm(destination.clone())?);
+    let deadlines: String = DEADLINES
+        .iter()
+        .map(|d| format!(" --deadline {d}"))
+        .collect();
+    let started = Instant::now();
+    let out = run.a.rdmamig(
+        &format!(
+            "migrate --vm {MOVER_NAME} --qmp {qmp} --agent {agent} --detach nic0 \
+             --source-function vf0 --destination-migrator b --from-pool \
+             --to-qmp {to_qmp} --to-agent {to_agent} --attach driver=vfio-pci,id=nic0,bus=rp1,mac={mac} \
+             --via tcp:{b}:{MIGRATION_PORT} --strategy {strategy}{deadlines} {extra} \
+             --report /run/move.json",
+            qmp = base.mover.qmp(),
+            agent = base.mover.agent(),
+            to_qmp = destination.qmp(),
+            to_agent = destination.agent(),
+            mac = base.mover.mac(),
+            b = run.b.address(),
+        ),
+        MOVE_TIMEOUT,
+    )?;
+    eprintln!(
+        "gold: rdmamig migrate ({strategy}) exited {} after {:?}:\n{}",
+        out.status,
+        started.elapsed(),
+        out.output
+    );
+    let report = run.a.shell().run_ok("cat /run/move.json", SLOW)?;
+    let start = report.find('{').ok_or("no report")?;
+    Ok(serde_json::from_str(&report[start..])?)
+}
+
+/// Checks what every successful move must show: each phase ok, A's VF reset and back in
+/// A's pool, B's free VF plugged into the VM, B's other VF still the peer's.
+fn check_move(run: &Running, report: &Value) -> StepResult<()> {
+    if report["ok"] != Value::Bool(true) {
+        return Err(format!("the move failed: {}", report["error"]).into());
+    }
+    for phase in report["timeline"]["phases"].as_array().ok_or("no phases")? {
+        if phase["outcome"]["result"] != "ok" {
+            return Err(
+                format!("phase {} was not ok: {}", phase["phase"], phase["outcome"]).into(),
+            );
+        }
+    }
+    let phase = |name: &str| {
+        report["timeline"]["phases"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["phase"] == name))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let reset = phase("detach")["details"]["reset"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    if reset.is_empty() || reset.starts_with("FAILED") {
+        return Err(format!("A's VF was not reset: {reset:?}").into());
+    }
+    let b_vf = run.b.function_pci("vf1")?;
+    if !report.to_string().contains(&b_vf) {
+        return Err(format!("the report does not name B's VF {b_vf}").into());
+    }
+    let state = |host: &Host, name: &str| -> StepResult<Value> {
+        Ok(host
+            .pool()?
+            .into_iter()
+            .find(|f| f["name"] == name)
+            .map(|f| f["state"].clone())
+            .unwrap_or(Value::Null))
+    };
+    let expected = [
+        (&run.a, "vf0", serde_json::json!({"state": "free"})),
+        (
+            &run.b,
+            "vf1",
+            serde_json::json!({"state": "attached", "vm": MOVER_NAME}),
+        ),
+        (
+            &run.b,
+            "vf0",
+            serde_json::json!({"state": "attached", "vm": "peer"}),
+        ),
+    ];
+    for (host, name, want) in expected {
+        let got = state(host, name)?;
+        if got != want {
+            return Err(format!("{}'s {name} is {got}, not {want}", host.name()).into());
+        }
+    }
+    Ok(())
+}
+
+/// Prints the move's timeline, one phase per line.
+fn print_timeline(strategy: &str, report: &Value) {
+    let phases = report["timeline"]["phases"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    for p in phases {
+        eprintln!(
+            "gold {strategy}: {:>9} {:>9} ms {} {}",
+            p["phase"].as_str().unwrap_or("?"),
+            p["duration_ms"],
+            p["outcome"]["result"].as_str().unwrap_or("?"),
+            p["details"]
+        );
+    }
+}
+
+/// The scenarios, by name.
+const SCENARIOS: &[(&str, fn(&Base) -> StepResult<()>)] = &[
+    ("reconnect", reconnect),
+    ("bridge", bridge),
+    ("naive", naive),
+    ("held_device", held_device),
+];
+
+/// Traffic through the move with `strategy`: nothing lost, duplicated or reordered.
+fn clean_move(base: &Base, strategy: &str, traffic: Traffic) -> StepResult<()> {
+    Running::scenario(base, |run| {
+        start_flow(run, traffic)?;
+        let report = migrate(run, base, strategy, "")?;
+        print_timeline(strategy, &report);
+        check_move(run, &report)?;
+        let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+        let (moved, _) = finish_clean_flow(&destination, MOVER_NAME, &run.peer, TAG);
+        if traffic == Traffic::Bridged && moved.bridged == 0 {
+            return Err(format!("nothing went over the bridge: {moved:?}").into());
+        }
+        Ok(())
+    })
+}
+
+fn reconnect(base: &Base) -> StepResult<()> {
+    clean_move(base, "reconnect", Traffic::Migratable)
+}
+
+fn bridge(base: &Base) -> StepResult<()> {
+    clean_move(base, "bridge", Traffic::Bridged)
+}
+
+/// Plain rdma_cm traffic across the naive move: the move itself succeeds; the traffic
+/// loses what was in flight, which the reports show (the comparison, not a goal).
+fn naive(base: &Base) -> StepResult<()> {
+    Running::scenario(base, |run| {
+        start_flow(run, Traffic::Plain)?;
+        let report = migrate(run, base, "naive", "")?;
+        print_timeline("naive", &report);
+        if report["ok"] != Value::Bool(true) {
+            return Err(format!("the naive move failed: {}", report["error"]).into());
+        }
+        let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+        stop_traffic(&destination, TAG)?;
+        stop_traffic(&run.peer, TAG)?;
+        let moved = collect_report(&destination, TAG)?;
+        let peer = collect_report(&run.peer, TAG)?;
+        eprintln!("gold naive: {MOVER_NAME}: {moved:?}\ngold naive: peer: {peer:?}");
+        if peer.errors.is_empty() && moved.errors.is_empty() && peer.lost == 0 && moved.lost == 0 {
+            return Err("plain rdma_cm traffic saw nothing of the naive move".into());
+        }
+        Ok(())
+    })
+}
+
+/// A raw verbs program (ibv_rc_pingpong, unknown to the agent) holds the VF next to the
+/// migratable traffic; `--unmanaged release` ends it before the unplug, the move succeeds
+/// and the report names the program as ended.
+fn held_device(base: &Base) -> StepResult<()> {
+    Running::scenario(base, |run| {
+        start_flow(run, Traffic::Migratable)?;
+        let holder = start_holder(&run.mover)?;
+        let report = migrate(run, base, "reconnect", "--unmanaged release")?;
+        print_timeline("held_device", &report);
+        check_move(run, &report)?;
+        let unmanaged = report["unmanaged"].as_array().cloned().unwrap_or_default();
+        let named = unmanaged
+            .iter()
+            .any(|p| p["pid"] == holder && p["fate"] == "ended");
+        if !named {
+            return Err(format!(
+                "the report does not name holder {holder} as ended: {unmanaged:?}"
+            )
+            .into());
+        }
+        let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+        finish_clean_flow(&destination, MOVER_NAME, &run.peer, TAG);
+        Ok(())
+    })
+}
+
+fn main() {
+    let wanted: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let scenarios: Vec<_> = SCENARIOS
+        .iter()
+        .filter(|(name, _)| wanted.is_empty() || wanted.iter().any(|w| name.contains(w.as_str())))
+        .collect();
+    if scenarios.is_empty() {
+        eprintln!("gold: no scenario matches {wanted:?}");
+        std::process::exit(2);
+    }
+    let started = Instant::now();
+    let base = Base::build().unwrap_or_else(|e| panic!("gold: the base: {e}"));
+    let mut failed = Vec::new();
+    for (name, scenario) in scenarios {
+        let at = Instant::now();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario(&base)));
+        match result {
+            Ok(Ok(())) => eprintln!("gold: {name} ... ok ({:?})", at.elapsed()),
+            Ok(Err(e)) => {
+                eprintln!("gold: {name} ... FAILED ({:?}): {e}", at.elapsed());
+                failed.push(*name);
+            }
+            Err(_) => {
+                eprintln!("gold: {name} ... FAILED ({:?}): panicked", at.elapsed());
+                failed.push(*name);
+            }
+        }
+    }
+    eprintln!("gold: done in {:?}", started.elapsed());
+    drop(base);
+    if !failed.is_empty() {
+        eprintln!("gold: failed: {failed:?}");
+        std::process::exit(1);
+    }
+}
