@@ -21,7 +21,7 @@
 //! the address [`HARNESS_ADDRESS`]. Everything else (QMP, agent sockets, the daemons) is the
 //! host's business and is driven from the host's console, as an operator would.
 //!
-//! Nested TCG is slow: a host boots in about 30 s, a VM inside it in 2-5 minutes.
+//! Nested TCG is slow: a host boots in 11-14 s, a VM inside it in 2-10 minutes (docs/testbed.md).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -56,6 +56,10 @@ const HOST_BOOT: Duration = Duration::from_secs(240);
 /// How long a VM may take to boot inside a host (nested TCG: about 5 minutes measured with
 /// one host running, longer with two).
 const VM_BOOT: Duration = Duration::from_secs(900);
+/// How long a plugged VF may take until its Soft-RoCE device is ACTIVE. Measured with
+/// both hosts running (2026-12-02): 342 s and 362 s from igbvf's probe, most of it
+/// waiting for the link.
+const VF_ACTIVE: Duration = Duration::from_secs(900);
 /// Host memory: two VMs of [`VM_MEMORY_MIB`] and the images in its tmpfs.
 const HOST_MEMORY_MIB: u32 = 1536;
 /// VM memory.
@@ -400,7 +404,10 @@ impl Host {
         if !vm.spec.incoming && vm.spec.vf.is_some() {
             // The VF's carrier may come later than the image's own wait for it (TESTBED.md:
             // ~29 s of VM time); the NIC hook keeps trying.
-            vm.run_ok("rdmamig-netplug wait-active 300", Duration::from_secs(330))?;
+            vm.run_ok(
+                &format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs()),
+                VF_ACTIVE + COMMAND,
+            )?;
         }
         Ok(vm)
     }
@@ -455,7 +462,10 @@ impl Host {
             )
             .into());
         }
-        vm.run_ok("rdmamig-netplug wait-active 300", Duration::from_secs(330))?;
+        vm.run_ok(
+            &format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs()),
+            VF_ACTIVE + COMMAND,
+        )?;
         Ok(())
     }
 

@@ -403,8 +403,11 @@ fn print_timeline(strategy: &str, report: &Value) {
     }
 }
 
+/// A scenario: what it does, from the base.
+type Scenario = fn(&Base) -> StepResult<()>;
+
 /// The scenarios, by name.
-const SCENARIOS: &[(&str, fn(&Base) -> StepResult<()>)] = &[
+const SCENARIOS: &[(&str, Scenario)] = &[
     ("reconnect", reconnect),
     ("bridge", bridge),
     ("naive", naive),
