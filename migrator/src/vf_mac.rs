@@ -134,20 +134,12 @@ impl VfTarget {
             .and_then(|t| t.file_name()?.to_str().map(str::to_owned))
             .ok_or_else(|| missing("its PF (physfn)", physfn))?;
         let pf_dir = sysfs.device(&pf);
-        let index = std::fs::read_dir(&pf_dir)
+        // The PF's VFs come in virtfn order, and virtfn<N> is VF N.
+        let index = sysfs
+            .vfs(&pf)
             .ok()
-            .and_then(|entries| {
-                entries.filter_map(Result::ok).find_map(|entry| {
-                    let index = entry
-                        .file_name()
-                        .to_str()?
-                        .strip_prefix("virtfn")?
-                        .parse()
-                        .ok()?;
-                    let target = std::fs::read_link(entry.path()).ok()?;
-                    (target.file_name()? == vf).then_some(index)
-                })
-            })
+            .and_then(|vfs| vfs.iter().position(|address| address == vf))
+            .and_then(|index| u32::try_from(index).ok())
             .ok_or_else(|| missing("its virtfn link", pf_dir.clone()))?;
         let net = pf_dir.join("net");
         let netdev = std::fs::read_dir(&net)
