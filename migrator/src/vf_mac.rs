@@ -4,9 +4,8 @@
 //!
 //! Why: a VM's network config knows the VM's MAC, not the VF's, and a move plugs a
 //! different VF with a MAC of its own. A VF's driver may ask the PF for another MAC, but
-//! PF drivers restrict that (igb refuses a guest's request, "VF n attempted to set invalid
-//! MAC filter", and the VF's link then waits). A MAC the PF sets is the VF's own from its
-//! next reset on, so the guest's driver finds the VM's MAC already there, as libvirt does
+//! PF drivers restrict that (igb refused such a request on the test bed: "VF n attempted
+//! to set invalid MAC filter"). A MAC the PF sets is the VF's own from its next reset on, so the guest's driver finds the VM's MAC already there, as libvirt does
 //! for `<interface type='hostdev'>`. The move's `--attach` names it with `mac=`.
 
 use std::io;

@@ -404,18 +404,14 @@ impl Host {
         if !vm.spec.incoming && vm.spec.vf.is_some() {
             // The VF's carrier may come later than the image's own wait for it (TESTBED.md:
             // ~29 s of VM time); the NIC hook keeps trying.
-            vm.run_ok(
-                &format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs()),
-                VF_ACTIVE + COMMAND,
-            )?;
+            wait_vf_active(&vm)?;
         }
         Ok(vm)
     }
 
     /// Gives VF `vf` (a PCI address) the MAC `mac` through its PF, as an operator does
-    /// before passing a VF through (`ip link set <PF> vf <n> mac`). Without it the VM's own
-    /// driver asks the PF for its MAC over the mailbox, and igb refuses ("VF n attempted to
-    /// set invalid MAC filter") while the VF's link waits.
+    /// before passing a VF through (`ip link set <PF> vf <n> mac`): the VM's driver then
+    /// finds the VM's MAC on the VF, as after a move (`mac=` of `--attach`).
     pub fn set_vf_mac(&self, vf: &str, mac: &str) -> StepResult<()> {
         self.guest.run_ok(
             &format!(
@@ -462,10 +458,7 @@ impl Host {
             )
             .into());
         }
-        vm.run_ok(
-            &format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs()),
-            VF_ACTIVE + COMMAND,
-        )?;
+        wait_vf_active(vm)?;
         Ok(())
     }
 
@@ -481,6 +474,13 @@ impl Host {
             Err(e) => format!("===== host {}: {e}", self.name()),
         }
     }
+}
+
+/// Waits until `vm`'s VF has an ACTIVE Soft-RoCE device (see [`VF_ACTIVE`]).
+fn wait_vf_active(vm: &Vm) -> StepResult<()> {
+    let wait = format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs());
+    vm.run_ok(&wait, VF_ACTIVE + COMMAND)?;
+    Ok(())
 }
 
 /// What a VM in a host is.
