@@ -79,6 +79,9 @@ pub struct ScenarioConfig {
     pub after: Duration,
     /// `phase=ms` deadlines given to `rdmamig migrate` (`--deadline`), beside its defaults.
     pub deadlines: Vec<String>,
+    /// How long each migratable connection waits for a moved peer (`--peer-wait-s`): a
+    /// move that outlasts it fails the connections, so it must exceed the move's deadlines.
+    pub peer_wait_s: u32,
 }
 
 impl ScenarioConfig {
@@ -100,6 +103,7 @@ impl ScenarioConfig {
                 Strategy::Naive => vec!["detach=60000".into()],
                 _ => Vec::new(),
             },
+            peer_wait_s: 60,
         }
     }
 }
@@ -357,10 +361,11 @@ pub fn run(
         let port = TRAFFIC_PORT + i as u16;
         let server = format!("{}:{port}", peer_spec.address());
         let mut common = format!(
-            "--mode {} --rate {} --connections {}",
+            "--mode {} --rate {} --connections {} --peer-wait-s {}",
             config.strategy.traffic_mode(),
             config.rate,
-            config.connections
+            config.connections,
+            config.peer_wait_s
         );
         if config.strategy == Strategy::Bridge {
             // Both ends name the peer's bridge: the server listens there, the client
@@ -380,7 +385,7 @@ pub fn run(
     }
     for i in 0..processes {
         for guest in [&peer, &src] {
-            let ready = steps::wait_ready(guest, &traffic_tag(i));
+            let ready = steps::wait_ready(guest, &traffic_tag(i), config.connections);
             step(guest, "waiting for the traffic tool to connect", ready)?;
         }
     }

@@ -40,16 +40,25 @@ pub fn start_traffic(guest: &dyn Shell, tag: &str, args: &str) -> StepResult<()>
     Ok(())
 }
 
-/// Waits until the traffic process `tag` has connected (it creates its ready file).
-pub fn wait_ready(guest: &dyn Shell, tag: &str) -> StepResult<()> {
+/// How long a traffic process may take to connect its first connection (before the guest's
+/// pace), and each further one: it connects them one after another, and on a loaded
+/// machine one takes seconds (CI, 2026-12-02: a process of 16 was not connected after 50 s).
+const CONNECT_FIRST: u32 = 25;
+const CONNECT_EACH: u32 = 5;
+
+/// Waits until the traffic process `tag`, which has `connections` connections, has connected
+/// them all (it creates its ready file). On a timeout or an exit, the error holds the end
+/// of the process's log.
+pub fn wait_ready(guest: &dyn Shell, tag: &str, connections: u32) -> StepResult<()> {
+    let within = (CONNECT_FIRST + CONNECT_EACH * connections.saturating_sub(1)) * guest.pace();
     guest.run_ok(
         &format!(
-            "end=$(($(date +%s) + {s})); while [ ! -e /tmp/{tag}.ready ]; do \
-               kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ cat /tmp/{tag}.err; exit 1; }}; \
-               [ $(date +%s) -ge $end ] && exit 1; sleep 0.05; done",
-            s = 25 * guest.pace()
+            "end=$(($(date +%s) + {within})); while [ ! -e /tmp/{tag}.ready ]; do \
+               kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ echo 'the traffic tool exited:'; tail -n 40 /tmp/{tag}.err; exit 1; }}; \
+               [ $(date +%s) -ge $end ] && {{ echo 'not connected within {within} s; its log ends:'; tail -n 40 /tmp/{tag}.err; exit 1; }}; \
+               sleep 0.05; done"
         ),
-        step_timeout(guest),
+        Duration::from_secs(within.into()) + step_timeout(guest),
     )?;
     Ok(())
 }
@@ -345,7 +354,7 @@ impl MoveGuests {
             tag,
             &format!("connect --to {server} {mover_args}"),
         )?;
-        wait_ready(&self.peer, tag)?;
-        wait_ready(&self.src, tag)
+        wait_ready(&self.peer, tag, 1)?;
+        wait_ready(&self.src, tag, 1)
     }
 }

@@ -44,8 +44,8 @@ fn a_slow_reader_holds_a_fast_sender_back_and_loses_nothing() {
         &format!("serve --listen {server} --rate 1 --stall-reading-ms 6000"),
     )
     .and_then(|()| start_traffic(&sender, TAG, &format!("connect --to {server} --rate 5000")))
-    .and_then(|()| wait_ready(&reader, TAG))
-    .and_then(|()| wait_ready(&sender, TAG));
+    .and_then(|()| wait_ready(&reader, TAG, 1))
+    .and_then(|()| wait_ready(&sender, TAG, 1));
     if let Err(e) = started {
         dump_logs(&reader);
         dump_logs(&sender);

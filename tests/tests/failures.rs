@@ -135,8 +135,8 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
     );
     start_traffic(a, "main", &format!("serve --listen {server} {common}"))?;
     start_traffic(b, "main", &format!("connect --to {server} {common}"))?;
-    wait_ready(a, "main")?;
-    wait_ready(b, "main")?;
+    wait_ready(a, "main", 1)?;
+    wait_ready(b, "main", 1)?;
     std::thread::sleep(Duration::from_secs(2));
 
     // 1. Wrong token, unknown connection.
@@ -271,8 +271,8 @@ fn peer_killed(a: &Guest, b: &Guest) -> Result<(), Box<dyn std::error::Error>> {
     let server2 = format!("{}:{}", a.spec().address(), PORT + 1);
     start_traffic(a, "kill", &format!("serve --listen {server2} {short}"))?;
     start_traffic(b, "kill", &format!("connect --to {server2} {short}"))?;
-    wait_ready(a, "kill")?;
-    wait_ready(b, "kill")?;
+    wait_ready(a, "kill", 1)?;
+    wait_ready(b, "kill", 1)?;
     std::thread::sleep(Duration::from_secs(1));
     let killed = Instant::now();
     a.kill();

@@ -281,8 +281,8 @@ fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
     }
     start_traffic(&run.peer, TAG, &format!("serve --listen {server} {common}"))?;
     start_traffic(&run.mover, TAG, &format!("connect --to {server} {common}"))?;
-    wait_ready(&run.peer, TAG)?;
-    wait_ready(&run.mover, TAG)?;
+    wait_ready(&run.peer, TAG, 1)?;
+    wait_ready(&run.mover, TAG, 1)?;
     // Messages flowing before the move, and the connection registered with the agent.
     std::thread::sleep(Duration::from_secs(10));
     Ok(())

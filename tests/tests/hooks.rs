@@ -287,8 +287,8 @@ fn a_pre_migrate_hook_that_cannot_unplug_fails_and_says_why() {
         let mode = format!("--mode migratable --rate {RATE}");
         steps::start_traffic(&peer, "h", &format!("serve --listen {server} {mode}"))?;
         steps::start_traffic(&src, "h", &format!("connect --to {server} {mode}"))?;
-        steps::wait_ready(&peer, "h")?;
-        steps::wait_ready(&src, "h")?;
+        steps::wait_ready(&peer, "h", 1)?;
+        steps::wait_ready(&src, "h", 1)?;
         // A raw verbs user the agent does not know holds the NIC. By default the hook
         // refuses, naming it, before anything changes.
         let holder = steps::start_holder(&src)?;

@@ -238,8 +238,8 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
                 &tag(flow),
                 &format!("connect --to {server} {vm_traffic}"),
             )
-            .and_then(|()| wait_ready(&peer, &tag(flow)))
-            .and_then(|()| wait_ready(&vm, &tag(flow)))
+            .and_then(|()| wait_ready(&peer, &tag(flow), 1))
+            .and_then(|()| wait_ready(&vm, &tag(flow), 1))
             .unwrap();
         }
     }

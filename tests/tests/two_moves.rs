@@ -54,8 +54,8 @@ fn two_vms_move_concurrently_and_lose_nothing() {
         let common = "--mode migratable --rate 100";
         start_traffic(&peer, &tag, &format!("serve --listen {server} {common}")).unwrap();
         start_traffic(src, &tag, &format!("connect --to {server} {common}")).unwrap();
-        wait_ready(&peer, &tag).unwrap();
-        wait_ready(src, &tag).unwrap();
+        wait_ready(&peer, &tag, 1).unwrap();
+        wait_ready(src, &tag, 1).unwrap();
     }
     std::thread::sleep(Duration::from_secs(2));
 
