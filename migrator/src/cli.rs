@@ -125,8 +125,9 @@ pub async fn migrate(
     svg_path: Option<&Path>,
 ) -> Result<MoveReport, CliError> {
     // The daemon speaks at least at every phase boundary; a move's silence longer than all
-    // its deadlines together means the daemon is stuck.
-    let silence = Duration::from_millis(
+    // its deadlines together means the daemon is stuck. A phase's deadline may grow with
+    // the connections (`Deadlines::for_move`): its start says how long it has.
+    let mut silence = Duration::from_millis(
         Phase::WORKING
             .iter()
             .map(|&phase| plan.deadlines.of(phase).as_millis() as u64)
@@ -141,10 +142,15 @@ pub async fn migrate(
         .await?;
     let report = loop {
         match within(silence, socket, async { Ok(channel.receive().await?) }).await? {
-            Some(DaemonMessage::Event { event }) => match output {
-                Output::Text => println!("{}", render_event(&event)),
-                Output::Json => println!("{}", to_json(&event)),
-            },
+            Some(DaemonMessage::Event { event }) => {
+                if let MoveEvent::PhaseStarted { deadline_ms, .. } = &event {
+                    silence = silence.max(Duration::from_millis(*deadline_ms) * 3 + QUERY_TIMEOUT);
+                }
+                match output {
+                    Output::Text => println!("{}", render_event(&event)),
+                    Output::Json => println!("{}", to_json(&event)),
+                }
+            }
             Some(DaemonMessage::Report { report }) => break *report,
             Some(DaemonMessage::Rejected { reason }) => return Err(CliError::Rejected { reason }),
             Some(

@@ -160,7 +160,9 @@ pub struct GuestFlags {
     #[arg(long, conflicts_with = "unmanaged")]
     pub force_release: bool,
     /// A phase deadline, phase=ms (repeatable). Defaults: prepare=10000 quiesce=10000
-    /// detach=5000 migrate=60000 attach=5000 resume=20000 rollback=30000.
+    /// detach=5000 migrate=60000 attach=5000 resume=20000 rollback=30000, each phase after
+    /// prepare given more per connection listed at prepare (quiesce 100 ms, detach 200,
+    /// resume and rollback 250). A deadline set here does not grow.
     #[arg(long = "deadline", value_name = "PHASE=MS")]
     pub deadlines: Vec<String>,
 }

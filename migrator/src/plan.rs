@@ -252,38 +252,50 @@ impl EndpointFlags {
     }
 }
 
-/// Per-phase deadlines, in ms.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Per-phase deadlines, in ms: the ones a client set (`--deadline`), over defaults that grow
+/// with the connections the move carries ([`Deadlines::for_move`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Deadlines(BTreeMap<Phase, u64>);
 
 /// The longest deadline a phase may have: a day.
 pub const MAX_DEADLINE_MS: u64 = 24 * 3600 * 1000;
 
-impl Default for Deadlines {
-    /// Generous for the test bed's TCG guests: a migration of an idle 512 MiB guest takes
-    /// under a second, a quiesce a few hundred ms, a hot-unplug 0.1-0.2 s (TESTBED.md).
-    fn default() -> Self {
-        Deadlines(BTreeMap::from([
-            (Phase::Prepare, 10_000),
-            (Phase::Quiesce, 10_000),
-            (Phase::Detach, 5_000),
-            (Phase::Migrate, 60_000),
-            (Phase::Attach, 5_000),
-            (Phase::Resume, 20_000),
-            (Phase::Rollback, 30_000),
-        ]))
-    }
-}
+/// A phase's default deadline, in ms, and what each connection listed at prepare adds to
+/// it. The bases are generous for one connection on the test bed's TCG guests (a migration
+/// of an idle 512 MiB guest takes under a second, a quiesce a few hundred ms, a hot-unplug
+/// 0.1-0.2 s: TESTBED.md). Releasing and re-creating every connection's QP, CQ and memory
+/// takes time per connection: 64 connections on idle test-bed guests (2026-12-02) took
+/// 2.0 s to quiesce, 7.6 s to detach and 8.5 s to resume, where one takes about 0.04 s,
+/// 0.2 s and 0.7 s, so a fixed 5 s detach failed every 64-connection move.
+const DEFAULTS: [(Phase, u64, u64); 7] = [
+    (Phase::Prepare, 10_000, 0),
+    (Phase::Quiesce, 10_000, 100),
+    (Phase::Detach, 5_000, 200),
+    (Phase::Migrate, 60_000, 0),
+    (Phase::Attach, 5_000, 0),
+    (Phase::Resume, 20_000, 250),
+    (Phase::Rollback, 30_000, 250),
+];
 
 impl Deadlines {
-    /// The deadline of `phase`.
+    /// The deadline of `phase` before any connection is known: the one set, or the base.
+    /// (Prepare lists the connections, so its own deadline never grows.)
     pub fn of(&self, phase: Phase) -> Duration {
-        let ms = self
-            .0
-            .get(&phase)
-            .copied()
-            .or_else(|| Deadlines::default().0.get(&phase).copied())
-            .unwrap_or(0);
+        self.for_move(phase, 0)
+    }
+
+    /// The deadline of `phase` in a move of `connections` connections: the one set, or the
+    /// base plus each connection's share, at most [`MAX_DEADLINE_MS`].
+    pub fn for_move(&self, phase: Phase, connections: usize) -> Duration {
+        let ms = self.0.get(&phase).copied().unwrap_or_else(|| {
+            DEFAULTS
+                .iter()
+                .find(|(p, _, _)| *p == phase)
+                .map_or(0, |&(_, base, each)| {
+                    base.saturating_add(each.saturating_mul(connections as u64))
+                        .min(MAX_DEADLINE_MS)
+                })
+        });
         Duration::from_millis(ms)
     }
 
@@ -561,6 +573,24 @@ pub(crate) mod tests {
             assert!(err.to_string().contains("detach="), "{err}");
         }
         assert!(plan().validate().is_ok());
+    }
+
+    #[test]
+    fn default_deadlines_grow_per_connection_up_to_a_day() {
+        let mut d = Deadlines::default();
+        assert_eq!(d.for_move(Phase::Detach, 0), Duration::from_secs(5));
+        assert_eq!(
+            d.for_move(Phase::Detach, 64),
+            Duration::from_millis(5_000 + 64 * 200)
+        );
+        assert_eq!(d.for_move(Phase::Prepare, 64), Duration::from_secs(10));
+        assert_eq!(
+            d.for_move(Phase::Resume, usize::MAX),
+            Duration::from_millis(MAX_DEADLINE_MS)
+        );
+        d.set("detach=1500").unwrap();
+        assert_eq!(d.for_move(Phase::Detach, 1024), Duration::from_millis(1500));
+        assert_eq!(d.of(Phase::Detach), Duration::from_millis(1500));
     }
 
     #[test]

@@ -383,12 +383,18 @@ pub fn run(
             step(guest, "starting the traffic tool", started)?;
         }
     }
+    let connecting = Instant::now();
     for i in 0..processes {
         for guest in [&peer, &src] {
             let ready = steps::wait_ready(guest, &traffic_tag(i), config.connections);
             step(guest, "waiting for the traffic tool to connect", ready)?;
         }
     }
+    eprintln!(
+        "rdmamig-testbed {tag}: {} connections in {processes} processes connected in {:.1} s",
+        processes * config.connections,
+        connecting.elapsed().as_secs_f64()
+    );
     std::thread::sleep(config.before);
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));

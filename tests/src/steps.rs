@@ -58,7 +58,8 @@ pub fn wait_ready(guest: &dyn Shell, tag: &str, connections: u32) -> StepResult<
                [ $(date +%s) -ge $end ] && {{ echo 'not connected within {within} s; its log ends:'; tail -n 40 /tmp/{tag}.err; exit 1; }}; \
                sleep 0.05; done"
         ),
-        Duration::from_secs(within.into()) + step_timeout(guest),
+        // The guest's own clock bounds the loop; a guest that slow may lag the host's.
+        Duration::from_secs(2 * u64::from(within)) + step_timeout(guest),
     )?;
     Ok(())
 }

@@ -400,6 +400,12 @@ impl Mover {
         }
     }
 
+    /// The deadline of `phase` in this move: the plan's, grown with the connections listed
+    /// at prepare unless the client set it.
+    fn deadline(&self, phase: Phase) -> Duration {
+        self.plan.deadlines.for_move(phase, self.ids.len())
+    }
+
     /// The plan's policy for unmanaged programs (the daemon fills it in; a plan run
     /// without a daemon gets the default).
     fn unmanaged_policy(&self) -> UnmanagedPolicy {
@@ -415,7 +421,7 @@ impl Mover {
             if phase != self.phase {
                 self.phase = transition(self.phase, phase).map_err(|e| (self.phase, e.into()))?;
             }
-            let deadline = self.plan.deadlines.of(phase);
+            let deadline = self.deadline(phase);
             if let Err(e) = self.enter(phase) {
                 let error = MoveError::PhaseFailed {
                     phase,

@@ -7,7 +7,7 @@ impl Mover {
     /// Runs the rollback phase; the move ends `rolled_back`, or `failed` if the rollback
     /// itself fails. `Ok` only in the sense that the state machine accepted the steps.
     pub(super) async fn finish_rollback(&mut self, failed: Phase) -> RunResult {
-        let deadline = self.plan.deadlines.of(Phase::Rollback);
+        let deadline = self.deadline(Phase::Rollback);
         if let Some(hook) = &self.context.boundary {
             hook(Phase::Rollback);
         }
@@ -92,7 +92,7 @@ impl Mover {
                 // have completed before the cancel took.
                 let mut ignore = |_: &MigrationProgress| {};
                 match source
-                    .wait_migration(self.plan.deadlines.of(Phase::Rollback), &mut ignore)
+                    .wait_migration(self.deadline(Phase::Rollback), &mut ignore)
                     .await
                 {
                     Ok(_) => self.migrated = true,
@@ -101,7 +101,7 @@ impl Mover {
                     Err(VmmError::MigrationFailed { .. } | VmmError::Protocol { .. }) => {}
                     Err(e) => return Err(e.into()),
                 }
-                let end = Instant::now() + self.plan.deadlines.of(Phase::Rollback);
+                let end = Instant::now() + self.deadline(Phase::Rollback);
                 loop {
                     let status = source.status().await?;
                     match status.phase {
@@ -129,7 +129,7 @@ impl Mover {
                 }
             }
             if self.migrated {
-                let deadline = self.plan.deadlines.of(Phase::Rollback);
+                let deadline = self.deadline(Phase::Rollback);
                 let endpoint = self.destination_endpoint()?;
                 self.destination()?.discard(&endpoint, deadline).await?;
                 steps.push("destination VMM stopped (the migrated copy is discarded)".into());
@@ -253,7 +253,7 @@ impl Mover {
         }
         if let Some((function, _)) = self.function.clone() {
             let destination = self.destination()?;
-            let deadline = self.plan.deadlines.of(Phase::Rollback);
+            let deadline = self.deadline(Phase::Rollback);
             destination
                 .release(&function, &self.move_ref(), deadline)
                 .await?;

@@ -102,6 +102,29 @@ fn assert_back_on_source(bed: &Bed, report: &MoveReport, resumed: bool) {
 }
 
 #[tokio::test]
+async fn default_deadlines_grow_with_the_listed_connections_and_set_ones_stay() {
+    let bed = Bed::new();
+    let mut asked = plan();
+    asked.deadlines.set("quiesce=3000").unwrap();
+    let report = bed.run(asked).await;
+    assert!(report.ok, "{report:#?}");
+    let deadline = |phase: Phase| {
+        report
+            .timeline
+            .phases
+            .iter()
+            .find(|p| p.phase == phase)
+            .map(|p| p.deadline_ms)
+    };
+    // The fake guest lists two connections.
+    assert_eq!(deadline(Phase::Prepare), Some(10_000), "prepare lists them");
+    assert_eq!(deadline(Phase::Quiesce), Some(3_000), "set by the client");
+    assert_eq!(deadline(Phase::Detach), Some(5_000 + 2 * 200));
+    assert_eq!(deadline(Phase::Migrate), Some(60_000));
+    assert_eq!(deadline(Phase::Resume), Some(20_000 + 2 * 250));
+}
+
+#[tokio::test]
 async fn a_move_runs_every_phase_and_journals_each_before_it_acts() {
     let bed = Bed::new();
     let report = bed.run(plan()).await;
