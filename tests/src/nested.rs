@@ -66,7 +66,7 @@ const HOST_MEMORY_MIB: u32 = 1536;
 const VM_MEMORY_MIB: u32 = 256;
 /// Where the host image keeps the VM image.
 const VM_KERNEL: &str = "/srv/vm/vmlinux";
-const VM_INITRAMFS: &str = "/srv/vm/initramfs.cpio.gz";
+const VM_INITRAMFS: &str = "/srv/vm/initramfs.cpio";
 /// The daemon's files in a host.
 const DAEMON_SOCKET: &str = "/run/rdmamig.sock";
 const DAEMON_CONFIG: &str = "/etc/rdmamig/config.toml";
@@ -104,6 +104,7 @@ pub fn build_images() -> StepResult<Images> {
         guest_binaries: GUEST_BINARIES.iter().map(|b| bin_dir().join(b)).collect(),
         extra_modules: vec![VF_DRIVER.into()],
         strip_debug: true,
+        uncompressed: true,
         ..ImageSpec::default()
     })?;
     let qemu = find_in_path("qemu-system-x86_64").ok_or("qemu-system-x86_64 is not in PATH")?;
