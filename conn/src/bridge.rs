@@ -190,6 +190,21 @@ pub(crate) struct Bridge {
     pub(crate) owes_ack: bool,
 }
 
+impl BridgeError {
+    /// Whether another attempt may succeed where this one failed: a step that timed out or
+    /// a connect or answer the network cut short (a loaded peer accepts late), not what
+    /// the passive side said.
+    pub(crate) fn may_pass(&self) -> bool {
+        matches!(
+            self,
+            BridgeError::StepTimedOut { .. }
+                | BridgeError::Connect { .. }
+                | BridgeError::SendGreeting(_)
+                | BridgeError::ReadAnswer(_)
+        )
+    }
+}
+
 impl Bridge {
     /// The active side: connects to `peer`, introduces the connection with `hello`, and
     /// returns the bridge and the passive side's last received sequence number. Awaited by
@@ -460,6 +475,27 @@ mod tests {
             token: [7; 16],
             last_received: 3,
             credits: 0,
+        }
+    }
+
+    #[test]
+    fn timeouts_and_cut_connects_may_pass_and_a_refusal_does_not() {
+        let peer: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let io = || std::io::Error::from(ErrorKind::ConnectionReset);
+        for passing in [
+            BridgeError::StepTimedOut { step: "connecting" },
+            BridgeError::Connect { peer, source: io() },
+            BridgeError::SendGreeting(io()),
+            BridgeError::ReadAnswer(io()),
+        ] {
+            assert!(passing.may_pass(), "{passing}");
+        }
+        for lasting in [
+            BridgeError::Refused(RejectReason::Other),
+            BridgeError::Configure(io()),
+            BridgeError::Closed { peer },
+        ] {
+            assert!(!lasting.may_pass(), "{lasting}");
         }
     }
 

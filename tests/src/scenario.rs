@@ -22,7 +22,8 @@ use crate::{Guest, GuestError, Testbed, TestbedError};
 const TRAFFIC_PORT: u16 = 7471;
 /// Bound on every console command of the scenario.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
-/// Bound on the whole `rdmamig migrate` run.
+/// Bound on the whole `rdmamig migrate` run with the migrator's default deadlines; the
+/// deadlines a scenario sets are added to it.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How the VM is moved.
@@ -82,6 +83,10 @@ pub struct ScenarioConfig {
     /// How long each migratable connection waits for a moved peer (`--peer-wait-s`): a
     /// move that outlasts it fails the connections, so it must exceed the move's deadlines.
     pub peer_wait_s: u32,
+    /// How long each migratable connection keeps trying to connect (`--connect-timeout-s`):
+    /// on a loaded machine one connect of many in a row took over 10 s, the tool's default,
+    /// and a failed connect ends the traffic process.
+    pub connect_timeout_s: u32,
 }
 
 impl ScenarioConfig {
@@ -104,6 +109,7 @@ impl ScenarioConfig {
                 _ => Vec::new(),
             },
             peer_wait_s: 60,
+            connect_timeout_s: 10,
         }
     }
 }
@@ -361,11 +367,12 @@ pub fn run(
         let port = TRAFFIC_PORT + i as u16;
         let server = format!("{}:{port}", peer_spec.address());
         let mut common = format!(
-            "--mode {} --rate {} --connections {} --peer-wait-s {}",
+            "--mode {} --rate {} --connections {} --peer-wait-s {} --connect-timeout-s {}",
             config.strategy.traffic_mode(),
             config.rate,
             config.connections,
-            config.peer_wait_s
+            config.peer_wait_s,
+            config.connect_timeout_s
         );
         if config.strategy == Strategy::Bridge {
             // Both ends name the peer's bridge: the server listens there, the client
@@ -518,7 +525,12 @@ pub fn migrate_vm(
     for deadline in deadlines {
         migrate.args(["--deadline", deadline]);
     }
-    let outcome = run_bounded(migrate, &bed.dir().join(log), MOVE_TIMEOUT)?;
+    let set: u64 = deadlines
+        .iter()
+        .filter_map(|d| d.split_once('=')?.1.parse::<u64>().ok())
+        .sum();
+    let bound = MOVE_TIMEOUT + Duration::from_millis(set);
+    let outcome = run_bounded(migrate, &bed.dir().join(log), bound)?;
     vm.kill();
     dst.reattach_console()
         .map_err(|source| ScenarioError::Guest {

@@ -48,14 +48,16 @@ const CONNECT_EACH: u32 = 5;
 
 /// Waits until the traffic process `tag`, which has `connections` connections, has connected
 /// them all (it creates its ready file). On a timeout or an exit, the error holds the end
-/// of the process's log.
+/// of the process's log and of the kernel's (a process killed by a signal logs nothing).
 pub fn wait_ready(guest: &dyn Shell, tag: &str, connections: u32) -> StepResult<()> {
     let within = (CONNECT_FIRST + CONNECT_EACH * connections.saturating_sub(1)) * guest.pace();
+    let logs =
+        format!("tail -n 40 /tmp/{tag}.err; echo '--- the kernel log ends:'; dmesg | tail -n 20");
     guest.run_ok(
         &format!(
             "end=$(($(date +%s) + {within})); while [ ! -e /tmp/{tag}.ready ]; do \
-               kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ echo 'the traffic tool exited:'; tail -n 40 /tmp/{tag}.err; exit 1; }}; \
-               [ $(date +%s) -ge $end ] && {{ echo 'not connected within {within} s; its log ends:'; tail -n 40 /tmp/{tag}.err; exit 1; }}; \
+               kill -0 $(cat /tmp/{tag}.pid) 2>/dev/null || {{ echo 'the traffic tool exited; its log ends:'; {logs}; exit 1; }}; \
+               [ $(date +%s) -ge $end ] && {{ echo 'not connected within {within} s; its log ends:'; {logs}; exit 1; }}; \
                sleep 0.05; done"
         ),
         // The guest's own clock bounds the loop; a guest that slow may lag the host's.

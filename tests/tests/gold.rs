@@ -270,7 +270,7 @@ enum Traffic {
 
 fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
     let server = format!("{}:{FLOW_PORT}", run.peer.spec().address());
-    let mut common = String::from("--rate 20 --connect-timeout-s 120 --peer-wait-s 600");
+    let mut common = String::from("--rate 20 --connect-timeout-s 120 --peer-wait-s 1800");
     match traffic {
         Traffic::Plain => common.push_str(" --mode plain"),
         Traffic::Migratable => common.push_str(" --mode migratable"),

@@ -51,20 +51,25 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
         // machine (2026-12-02) prepare took 1.3-2.9 s, quiesce 1.5-6.8 s, detach 7.6-13.3 s
         // and resume 6.6-8.5 s (32.4 s bridged); in CI runs on a loaded day the guests ran
         // 5-7 times slower: prepare missed 10 s, quiesce took 11.6 s, detach 17 s, and the
-        // new port was not ACTIVE within 58 s. This test is about losing nothing, so each
-        // deadline leaves about ten times the idle figure; how fast 64 connections move is
-        // the scale issue's benchmark.
+        // new port was not ACTIVE within 58 s. Under a CPU limit of 0.8 core (cgroup
+        // cpu.cfs_quota_us, about 9 times slower) a bridged resume had 48 of the 64 back
+        // after 250 s. This test is about losing nothing, so the deadlines leave ten times
+        // the idle figures or more; how fast 64 connections move is the scale issue's
+        // benchmark.
         deadlines: [
             "prepare=30000",
             "quiesce=60000",
             "detach=90000",
-            "resume=300000",
-            "rollback=300000",
+            "resume=600000",
+            "rollback=600000",
         ]
         .map(String::from)
         .to_vec(),
         // Longer than quiesce, detach, migrate and resume together at those deadlines.
-        peer_wait_s: 600,
+        peer_wait_s: 900,
+        // At 0.8 core, the 64 connections took 72-87 s to connect (10 s idle), one peer's
+        // accept at times more than the default 10 s.
+        connect_timeout_s: 60,
         ..ScenarioConfig::new(strategy)
     };
     let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));

@@ -40,6 +40,24 @@ impl Worker {
             .map_err(|reason| ConnError::Bridge { addr, reason })
     }
 
+    /// The active side's first bridge, right after its first link: tried again every
+    /// [`BRIDGE_RETRY`] until `deadline` (the connect's) while the failure may pass. A loaded
+    /// peer (64 connections on a guest limited to 0.8 CPU) took longer than a set-up step's
+    /// 2 s to accept one, which failed the whole connection.
+    pub(super) async fn open_first_bridge(&mut self, deadline: Instant) -> Result<(), ConnError> {
+        loop {
+            match self.open_bridge().await {
+                Err(ConnError::Bridge { reason, .. })
+                    if reason.may_pass() && Instant::now() + BRIDGE_RETRY < deadline =>
+                {
+                    tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %error_chain(&reason), "bridge not open yet");
+                    tokio::time::sleep(BRIDGE_RETRY).await;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// The active side opens a lost bridge again, at most every [`BRIDGE_RETRY`].
     pub(super) async fn reopen_bridge(&mut self) {
         let now = Instant::now();

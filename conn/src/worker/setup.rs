@@ -132,7 +132,7 @@ impl Worker {
                 loop {
                     match self.attempt(false).await {
                         Ok(()) => {
-                            if let Err(err) = self.open_bridge().await {
+                            if let Err(err) = self.open_first_bridge(deadline).await {
                                 let _ = ready.send(Err(err));
                                 self.fail(Failure::Setup("opening the bridge".into()));
                                 return;

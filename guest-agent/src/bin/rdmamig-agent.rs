@@ -9,7 +9,7 @@ use clap::Parser;
 use rdmamig_guest::agent::apps::{Apps, SocketAccess};
 use rdmamig_guest::agent::{device, host, vsock, Agent};
 use rdmamig_proto::app::DEFAULT_AGENT_SOCKET;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// The rdmamig guest agent.
 ///
@@ -56,6 +56,25 @@ struct Args {
     /// Also serve the host on this AF_VSOCK port (the host only: CID 2).
     #[arg(long, value_name = "PORT")]
     vsock_port: Option<u32>,
+    /// The agent's niceness (-20 to 19). It answers the host's move commands within their
+    /// deadlines, so it runs ahead of the applications: on a loaded guest (64 connections,
+    /// 0.4 CPU) a listing of unmanaged programs at niceness 0 took over 20 s.
+    #[arg(long, default_value_t = -10, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
+    nice: i32,
+}
+
+/// Sets the niceness of the calling thread, which the threads it starts inherit (Linux
+/// keeps it per thread), so this runs before any is started.
+fn set_niceness(nice: i32) -> std::io::Result<()> {
+    // SAFETY: setpriority takes no pointers; with PRIO_PROCESS and 0 it changes only the
+    // calling thread's niceness.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 fn main() -> ExitCode {
@@ -66,6 +85,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Err(e) = set_niceness(args.nice) {
+        // Not fatal: the agent works, only later under load.
+        warn!(nice = args.nice, "could not set the agent's niceness: {e}");
+    }
 
     let apps = Apps::new();
     let access = SocketAccess {
