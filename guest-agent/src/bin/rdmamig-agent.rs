@@ -58,7 +58,7 @@ struct Args {
     vsock_port: Option<u32>,
     /// The agent's niceness (-20 to 19). It answers the host's move commands within their
     /// deadlines, so it runs ahead of the applications: on a loaded guest (64 connections,
-    /// 0.4 CPU) a listing of unmanaged programs at niceness 0 took over 20 s.
+    /// 0.8 CPU) a listing of unmanaged programs at niceness 0 took over 20 s.
     #[arg(long, default_value_t = -10, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32).range(-20..=19))]
     nice: i32,
