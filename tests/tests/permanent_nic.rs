@@ -52,6 +52,9 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         &format!("(sleep 600 | nc -l -p {KEPT_PORT} >/tmp/kept.rx) >/dev/null 2>&1 &"),
         STEP_TIMEOUT,
     )?;
+    // The client connects once: it must find the listener there (CI, 2026-12-02: "before"
+    // never arrived, the client having run first on a loaded machine).
+    wait_listening(&g.peer, KEPT_PORT)?;
     g.src.run_ok(
         &format!(
             "((echo before; i=0; until [ -e /tmp/kept.go ]; do i=$((i+1)); [ $i -gt 1200 ] && \
@@ -111,7 +114,7 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
         &format!("(sleep 600 | nc -l -p {FRESH_PORT} >/tmp/fresh.rx) >/dev/null 2>&1 &"),
         STEP_TIMEOUT,
     )?;
-    std::thread::sleep(Duration::from_millis(300));
+    wait_listening(&g.peer, FRESH_PORT)?;
     g.dst.run_ok(
         &format!("echo fresh | nc -w 5 {peer} {FRESH_PORT}"),
         STEP_TIMEOUT,
@@ -137,8 +140,23 @@ fn run(bed: &Testbed, daemon: &Daemon, g: &MoveGuests) -> Result<(), Box<dyn std
 fn wait_for_text(guest: &Guest, file: &str, text: &str) -> Result<(), Box<dyn std::error::Error>> {
     guest.run_ok(
         &format!(
-            "i=0; until grep -q {text} {file} 2>/dev/null; do i=$((i+1)); \
-             [ $i -gt 200 ] && exit 1; sleep 0.05; done"
+            "end=$(($(date +%s) + 20)); until grep -q {text} {file} 2>/dev/null; do \
+             [ $(date +%s) -ge $end ] && {{ echo 'no {text} in {file} after 20 s'; exit 1; }}; \
+             sleep 0.05; done"
+        ),
+        STEP_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// Waits until a TCP socket listens on `port` in `guest` (its /proc/net/tcp or tcp6 line:
+/// local port in hex, no remote, state 0A).
+fn wait_listening(guest: &Guest, port: u16) -> Result<(), Box<dyn std::error::Error>> {
+    guest.run_ok(
+        &format!(
+            "end=$(($(date +%s) + 20)); until grep -Eq ':{port:04X} 0+:0000 0A' /proc/net/tcp /proc/net/tcp6 2>/dev/null; do \
+             [ $(date +%s) -ge $end ] && {{ echo 'nothing listens on port {port}'; exit 1; }}; \
+             sleep 0.05; done"
         ),
         STEP_TIMEOUT,
     )?;
