@@ -52,7 +52,7 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
         rate: 2,
         // Deadlines for 64 connections on guests with one emulated CPU each. On an idle
         // machine (2026-12-02) prepare took 1.3-2.9 s, quiesce 1.5-6.8 s, detach 7.6-13.3 s
-        // and resume 6.6-8.5 s (32.4 s bridged); in CI runs on a loaded day the guests ran
+        // and resume 6.6-8.5 s (32.4 s bridged); in CI and fresh-machine checks the guests ran
         // 5-7 times slower: prepare missed 10 s, quiesce took 11.6 s, detach 17 s, and the
         // new port was not ACTIVE within 58 s. Under a CPU limit of 0.8 core (cgroup
         // cpu.cfs_quota_us, about 9 times slower) a bridged resume had 48 of the 64 back
@@ -70,8 +70,8 @@ fn move_sixty_four(strategy: Strategy) -> ScenarioOutcome {
         .to_vec(),
         // Longer than quiesce, detach, migrate and resume together at those deadlines.
         peer_wait_s: 900,
-        // At 0.8 core, the 64 connections took 72-87 s to connect (10 s idle), one peer's
-        // accept at times more than the default 10 s.
+        // At 0.8 core, the 64 connections took 72-87 s to connect (4-10 s idle), and the
+        // peer once accepted nothing for 24 s, past the default 10 s.
         connect_timeout_s: 60,
         ..ScenarioConfig::new(strategy)
     };
