@@ -195,7 +195,12 @@ impl Worker {
     pub(super) fn link_lost(&mut self, why: LinkEvent, expected: bool) {
         let Some(link) = self.link.take() else { return };
         let peer_paused = link.peer_paused.is_some();
-        if link.peer_bridging {
+        // Messages go over the bridge, if there is one (a no-op otherwise), when the peer's
+        // PAUSE asked for it, and when the link broke: a link that broke before the PAUSE
+        // came left the side that stays holding its messages until the next link (a test
+        // bed run: all 64 links broke before the quiesce, and the peer bridged none of its
+        // messages for 120 s).
+        if link.peer_bridging || !expected {
             self.start_bridging();
         }
         drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
