@@ -482,6 +482,17 @@ pub fn run(
         }
     }
     let mover = collect_reports(&dst, processes)?;
+    if let Some(dir) = std::env::var_os(KEEP_LOGS) {
+        for (guest, side) in [(&dst, "mover"), (peer, "peer")] {
+            for i in 0..processes {
+                steps::keep_traffic_log(
+                    guest,
+                    &traffic_tag(i),
+                    &Path::new(&dir).join(format!("{tag}-{side}-{}.log", traffic_tag(i))),
+                );
+            }
+        }
+    }
     let peer_report = collect_reports(peer, processes)?;
     let mut kernel_problems = Vec::new();
     for guest in [&dst, peer] {
@@ -561,6 +572,10 @@ fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
 }
 
 /// The traffic tool's tag (its files in the guest) for process `i` of the scenario.
+/// Names a host directory where each scenario keeps the traffic processes' logs (the
+/// library's link and bridge events), which end with the guests.
+const KEEP_LOGS: &str = "RDMAMIG_KEEP_LOGS";
+
 fn traffic_tag(i: u32) -> String {
     format!("traffic{i}")
 }

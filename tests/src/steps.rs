@@ -92,6 +92,23 @@ pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
     Ok(serde_json::from_str(&out[start..])?)
 }
 
+/// Writes the last 4,000 lines of the traffic process `tag`'s log in `guest` to `to` on the
+/// host, without its per-message lines; a failure is printed, not returned (a debugging aid).
+pub fn keep_traffic_log(guest: &dyn Shell, tag: &str, to: &Path) {
+    let read = format!("grep -v -E 'sent|received' /tmp/{tag}.err | tail -n 4000");
+    let kept = guest
+        .run_ok(&read, step_timeout(guest))
+        .map_err(|e| e.to_string())
+        .and_then(|log| std::fs::write(to, log).map_err(|e| e.to_string()));
+    if let Err(e) = kept {
+        eprintln!(
+            "{}: {tag}'s log was not kept in {}: {e}",
+            guest.name(),
+            to.display()
+        );
+    }
+}
+
 /// Prints the tail of every traffic log in `guest`, and where each thread of every traffic
 /// process waits in the kernel (for a failing test: a hung unplug is a thread stuck on the
 /// device).
