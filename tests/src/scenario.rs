@@ -571,11 +571,11 @@ fn clock_offset_ms(guest: &Guest) -> Result<i64, ScenarioError> {
     Ok(guest_ms as i64 - ((before + after) / 2) as i64)
 }
 
-/// The traffic tool's tag (its files in the guest) for process `i` of the scenario.
-/// Names a host directory where each scenario keeps the traffic processes' logs (the
-/// library's link and bridge events), which end with the guests.
+/// Names a host directory where each scenario that moved its VM keeps the traffic
+/// processes' logs (the library's link and bridge events), which end with the guests.
 const KEEP_LOGS: &str = "RDMAMIG_KEEP_LOGS";
 
+/// The traffic tool's tag (its files in the guest) for process `i` of the scenario.
 fn traffic_tag(i: u32) -> String {
     format!("traffic{i}")
 }
