@@ -482,6 +482,7 @@ pub fn run(
         }
     }
     let mover = collect_reports(&dst, processes)?;
+    let peer_report = collect_reports(peer, processes)?;
     if let Some(dir) = std::env::var_os(KEEP_LOGS) {
         for (guest, side) in [(&dst, "mover"), (peer, "peer")] {
             for i in 0..processes {
@@ -493,7 +494,6 @@ pub fn run(
             }
         }
     }
-    let peer_report = collect_reports(peer, processes)?;
     let mut kernel_problems = Vec::new();
     for guest in [&dst, peer] {
         let read = steps::kernel_problems(guest);
