@@ -87,6 +87,9 @@ pub struct ScenarioConfig {
     /// a failed connect ends the traffic process, and on a loaded guest (0.8 core) the peer
     /// once accepted nothing for 24 s.
     pub connect_timeout_s: u32,
+    /// How long each traffic process's final flush waits for its peer's acknowledgements
+    /// (`--flush-timeout-s`): a link that broke just before the stop is rebuilt first.
+    pub flush_timeout_s: u32,
 }
 
 impl ScenarioConfig {
@@ -110,6 +113,7 @@ impl ScenarioConfig {
             },
             peer_wait_s: 60,
             connect_timeout_s: 10,
+            flush_timeout_s: 3,
         }
     }
 }
@@ -367,12 +371,14 @@ pub fn run(
         let port = TRAFFIC_PORT + i as u16;
         let server = format!("{}:{port}", peer_spec.address());
         let mut common = format!(
-            "--mode {} --rate {} --connections {} --peer-wait-s {} --connect-timeout-s {}",
+            "--mode {} --rate {} --connections {} --peer-wait-s {} --connect-timeout-s {} \
+             --flush-timeout-s {}",
             config.strategy.traffic_mode(),
             config.rate,
             config.connections,
             config.peer_wait_s,
-            config.connect_timeout_s
+            config.connect_timeout_s,
+            config.flush_timeout_s
         );
         if config.strategy == Strategy::Bridge {
             // Both ends name the peer's bridge: the server listens there, the client
@@ -481,8 +487,9 @@ pub fn run(
             step(guest, "stopping the traffic tool", stopped)?;
         }
     }
-    let mover = collect_reports(&dst, processes)?;
-    let peer_report = collect_reports(peer, processes)?;
+    let flush = Duration::from_secs(config.flush_timeout_s.into());
+    let mover = collect_reports(&dst, processes, flush)?;
+    let peer_report = collect_reports(peer, processes, flush)?;
     if let Some(dir) = std::env::var_os(KEEP_LOGS) {
         for (guest, side) in [(&dst, "mover"), (peer, "peer")] {
             for i in 0..processes {
@@ -594,13 +601,17 @@ fn step<T>(
 }
 
 /// Collects the reports of the `processes` traffic processes of `guest`, summed.
-fn collect_reports(guest: &Guest, processes: u32) -> Result<TrafficReport, ScenarioError> {
+fn collect_reports(
+    guest: &Guest,
+    processes: u32,
+    flush: Duration,
+) -> Result<TrafficReport, ScenarioError> {
     let reports = (0..processes)
         .map(|i| {
             step(
                 guest,
                 "collecting the traffic report",
-                steps::collect_report(guest, &traffic_tag(i)),
+                steps::collect_report_after_flush(guest, &traffic_tag(i), flush),
             )
         })
         .collect::<Result<Vec<_>, _>>()?;

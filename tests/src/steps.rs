@@ -77,14 +77,25 @@ pub fn stop_traffic(guest: &dyn Shell, tag: &str) -> StepResult<()> {
 
 /// Waits for and parses the report of the traffic process `tag`.
 pub fn collect_report(guest: &dyn Shell, tag: &str) -> StepResult<Report> {
+    collect_report_after_flush(guest, tag, Duration::ZERO)
+}
+
+/// [`collect_report`] for a process started with a `--flush-timeout-s` of `flush`: its
+/// report may come that much later.
+pub fn collect_report_after_flush(
+    guest: &dyn Shell,
+    tag: &str,
+    flush: Duration,
+) -> StepResult<Report> {
+    let wait = Duration::from_secs(25 * u64::from(guest.pace())) + flush;
     let out = guest.run_ok(
         &format!(
             "end=$(($(date +%s) + {s})); while [ ! -s /tmp/{tag}.json ]; do \
                [ $(date +%s) -ge $end ] && {{ cat /tmp/{tag}.err; exit 1; }}; sleep 0.05; done; \
              cat /tmp/{tag}.json",
-            s = 25 * guest.pace()
+            s = wait.as_secs()
         ),
-        step_timeout(guest),
+        step_timeout(guest) + wait,
     )?;
     let start = out
         .find('{')

@@ -22,7 +22,8 @@ use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 /// messages per second (each carries a counter and a timestamp) and account for what the
 /// peer sent: messages lost (gaps in the numbering), duplicated, reordered, and the largest
 /// gap between two consecutive deliveries (the blackout of a move). On SIGINT/SIGTERM, or
-/// after `--duration`, sending stops, the outbox is flushed, the tool keeps receiving for
+/// after `--duration`, sending stops, the outbox is flushed (up to `--flush-timeout-s`),
+/// the tool keeps receiving for
 /// `--linger-ms`, then writes the JSON report to `--report` and stdout.
 ///
 /// Example:
@@ -158,6 +159,11 @@ struct Common {
     /// Keep receiving this long after sending stopped, in ms.
     #[arg(long, default_value_t = 1500)]
     linger_ms: u64,
+    /// Seconds the final flush waits for the peer to acknowledge everything sent (a link
+    /// that broke just before the stop must be rebuilt first); past it, the report names
+    /// the unacknowledged messages as an error.
+    #[arg(long, default_value_t = 3)]
+    flush_timeout_s: u64,
     /// Take no message for this long after the connection is up, in ms: a slow reader, to
     /// show that the library holds a fast sender back instead of growing this side's memory.
     #[arg(long, default_value_t = 0)]
@@ -312,6 +318,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         size,
         duration: c.duration.map(Duration::from_secs_f64),
         linger: Duration::from_millis(c.linger_ms),
+        flush_timeout: Duration::from_secs(c.flush_timeout_s),
         stall_reading: Duration::from_millis(c.stall_reading_ms),
         ready_file: c.ready_file,
         conn: ConnectOptions {

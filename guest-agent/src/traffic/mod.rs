@@ -26,12 +26,18 @@ use rdmamig_conn::plain::{PlainEndpoint, PlainError};
 use rdmamig_conn::{
     Access, ConnError, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer,
 };
+use rdmamig_proto::agent::ConnectionState;
 use regions::{Notice, Verdict, NOTICE_LEN};
 
 /// First bytes of every traffic message.
 pub const MAGIC: [u8; 4] = *b"RMTF";
 /// Smallest message: magic, counter, timestamp.
 pub const MIN_SIZE: usize = 20;
+/// First bytes of a migratable flow's last message, which carries how many messages its
+/// sender sent. A side closes only once the peer's end has arrived: with its own outbox
+/// acknowledged, it could otherwise close while the peer's messages are still being
+/// replayed to it over a rebuilt link, and they would be lost with the connection.
+const END_MAGIC: [u8; 4] = *b"RMTE";
 
 /// Which connection kind to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -69,6 +75,11 @@ pub struct TrafficConfig {
     pub duration: Option<Duration>,
     /// Receive for this long after sending stopped (and, migratable, after the flush).
     pub linger: Duration,
+    /// Migratable: how long the end of the run waits for the peer to acknowledge
+    /// everything sent and for the peer's end of the flow. A link that broke just before
+    /// the stop is rebuilt first (its replay then delivers the rest), which on a loaded
+    /// guest takes far longer than the 3 s default.
+    pub flush_timeout: Duration,
     /// How long the receiver takes no message after the connection is up (a slow reader).
     pub stall_reading: Duration,
     /// Written once connected.
@@ -183,6 +194,23 @@ pub fn encode_message(counter: u64, sent_us: u64, size: usize) -> Vec<u8> {
     m
 }
 
+/// The end of a flow: `sent` messages were sent before it.
+fn encode_end(sent: u64) -> Vec<u8> {
+    let mut m = END_MAGIC.to_vec();
+    m.extend_from_slice(&sent.to_be_bytes());
+    m
+}
+
+/// Decodes the end of a flow into the number of messages sent before it.
+fn decode_end(m: &[u8]) -> Option<u64> {
+    match m {
+        [a, b, c, d, rest @ ..] if [*a, *b, *c, *d] == END_MAGIC => {
+            Some(u64::from_be_bytes(rest.try_into().ok()?))
+        }
+        _ => None,
+    }
+}
+
 /// Decodes a message into (counter, sent_us); None if it is not a traffic message.
 pub fn decode_message(m: &[u8]) -> Option<(u64, u64)> {
     if m.len() < MIN_SIZE || m[..4] != MAGIC {
@@ -229,9 +257,16 @@ pub struct Tracker {
     last: Option<(Instant, u64)>,
     max_gap: Option<(Duration, u64, u64)>,
     first_ms: Option<u64>,
+    /// What the peer's end of the flow said it sent, once it arrived.
+    peer_end: Option<u64>,
 }
 
 impl Tracker {
+    /// Records the arrival of the peer's end of the flow (`sent`: what it says it sent).
+    pub fn on_end(&mut self, sent: u64) {
+        self.peer_end = Some(sent);
+    }
+
     /// Records the delivery of message `counter` at `now` (`now_ms`: UNIX ms).
     pub fn on_message(&mut self, counter: u64, now: Instant, now_ms: u64) {
         self.received += 1;
@@ -732,9 +767,14 @@ impl Flow {
                                 }
                             }
                         }
-                        None => {
-                            errors.add("received a message that is not a traffic message".into())
-                        }
+                        None => match decode_end(&m) {
+                            Some(sent) => tracker
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .on_end(sent),
+                            None => errors
+                                .add("received a message that is not a traffic message".into()),
+                        },
                     },
                     Ok(None) => {}
                     // A clean close by the peer (after its flush): the stream simply ends.
@@ -759,13 +799,57 @@ impl Flow {
         }
     }
 
-    fn flush(&self) {
-        if let Endpoint::Migratable(c, _) = &*self.ep {
-            if !c.flush(Duration::from_secs(3)) {
-                self.errors
-                    .add("flush: messages still unacknowledged after 3 s".into());
-            }
+    /// Migratable: sends the end of the flow, then waits, within `timeout` in all, for
+    /// the peer to acknowledge everything sent and for the peer's own end to arrive. A
+    /// connection that failed has reported why already and is not waited for.
+    fn end_stream(&self, timeout: Duration) {
+        let Endpoint::Migratable(c, _) = &*self.ep else {
+            return;
+        };
+        let deadline = Instant::now() + timeout;
+        if c.info().state == ConnectionState::Failed {
+            return;
         }
+        if let Err(e) = c.send(&encode_end(self.sent.load(Ordering::Relaxed))) {
+            self.errors
+                .add(format!("end of flow: {}", rdmamig_conn::error_chain(&e)));
+            return;
+        }
+        if !c.flush(timeout) {
+            let info = c.info();
+            self.errors.add(format!(
+                "flush: {} messages still unacknowledged after {} s (connection {:?})",
+                info.unacked,
+                timeout.as_secs_f64(),
+                info.state
+            ));
+            return;
+        }
+        loop {
+            if self.peer_ended() {
+                return;
+            }
+            let state = c.info().state;
+            if state == ConnectionState::Failed {
+                return;
+            }
+            if state == ConnectionState::Closed || Instant::now() >= deadline {
+                self.errors.add(format!(
+                    "end of flow: the peer's end did not arrive within {} s (connection {state:?})",
+                    timeout.as_secs_f64()
+                ));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn peer_ended(&self) -> bool {
+        self.tracker
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .peer_end
+            .is_some()
     }
 
     fn stop_receiving(&mut self) {
@@ -895,7 +979,9 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
     for f in &mut flows {
         f.stop_sending();
     }
-    rdmamig_conn::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, Flow::flush);
+    rdmamig_conn::registry::bounded_parallel(&flows, SHUTDOWN_PARALLEL, |f| {
+        f.end_stream(cfg.flush_timeout)
+    });
     std::thread::sleep(cfg.linger);
     for f in &mut flows {
         f.stop_receiving();
@@ -919,6 +1005,15 @@ mod tests {
         assert_eq!(decode_message(&m), Some((42, 7)));
         assert_eq!(decode_message(&m[..10]), None);
         assert_eq!(decode_message(b"xxxxxxxxxxxxxxxxxxxxxxxx"), None);
+    }
+
+    #[test]
+    fn the_end_of_a_flow_is_not_a_traffic_message() {
+        let end = encode_end(36_101);
+        assert_eq!(decode_end(&end), Some(36_101));
+        assert_eq!(decode_message(&end), None);
+        assert_eq!(decode_end(&encode_message(36_101, 7, 256)), None);
+        assert_eq!(decode_end(&end[..11]), None);
     }
 
     #[test]
