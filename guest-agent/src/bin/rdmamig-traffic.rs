@@ -22,9 +22,10 @@ use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 /// messages per second (each carries a counter and a timestamp) and account for what the
 /// peer sent: messages lost (gaps in the numbering), duplicated, reordered, and the largest
 /// gap between two consecutive deliveries (the blackout of a move). On SIGINT/SIGTERM, or
-/// after `--duration`, sending stops, the outbox is flushed (up to `--flush-timeout-s`),
-/// the tool keeps receiving for
-/// `--linger-ms`, then writes the JSON report to `--report` and stdout.
+/// after `--duration`, sending stops and each side sends an end-of-flow message; a side
+/// waits until the peer acknowledged everything and its end arrived (giving up after
+/// `--flush-timeout-s` without progress), keeps receiving for `--linger-ms`, then writes
+/// the JSON report to `--report` and stdout.
 ///
 /// Example:
 ///   rdmamig-traffic serve   --listen 10.77.0.1:7471 --rate 200 --report /tmp/a.json
@@ -159,9 +160,10 @@ struct Common {
     /// Keep receiving this long after sending stopped, in ms.
     #[arg(long, default_value_t = 1500)]
     linger_ms: u64,
-    /// Seconds the final flush waits for the peer to acknowledge everything sent (a link
-    /// that broke just before the stop must be rebuilt first); past it, the report names
-    /// the unacknowledged messages as an error.
+    /// Seconds the end of the run waits without progress for the peer to acknowledge
+    /// everything sent and for the peer's end of the flow (a link that broke just before
+    /// the stop must be rebuilt first); past it, the report names what is missing as an
+    /// error.
     #[arg(long, default_value_t = 3)]
     flush_timeout_s: u64,
     /// Take no message for this long after the connection is up, in ms: a slow reader, to

@@ -75,10 +75,11 @@ pub struct TrafficConfig {
     pub duration: Option<Duration>,
     /// Receive for this long after sending stopped (and, migratable, after the flush).
     pub linger: Duration,
-    /// Migratable: how long the end of the run waits for the peer to acknowledge
-    /// everything sent and for the peer's end of the flow. A link that broke just before
-    /// the stop is rebuilt first (its replay then delivers the rest), which on a loaded
-    /// guest takes far longer than the 3 s default.
+    /// Migratable: the end of the run waits for the peer to acknowledge everything sent
+    /// and for the peer's end of the flow for as long as either progresses, and gives up
+    /// after this long without progress. A link that broke just before the stop is rebuilt
+    /// first (its replay then delivers the rest), which on a loaded guest takes far longer
+    /// than the 3 s default.
     pub flush_timeout: Duration,
     /// How long the receiver takes no message after the connection is up (a slow reader).
     pub stall_reading: Duration,
@@ -802,11 +803,14 @@ impl Flow {
     /// Migratable: sends the end of the flow, then waits, within `timeout` in all, for
     /// the peer to acknowledge everything sent and for the peer's own end to arrive. A
     /// connection that failed has reported why already and is not waited for.
-    fn end_stream(&self, timeout: Duration) {
+    /// Ends a migratable flow: sends the end message, then waits for the peer to
+    /// acknowledge everything and for the peer's own end. Each wait lasts while it makes
+    /// progress (acknowledgements, deliveries) and gives up after `stall` without any, so a
+    /// slow reader still drains and a gone peer is reported within `stall`.
+    fn end_stream(&self, stall: Duration) {
         let Endpoint::Migratable(c, _) = &*self.ep else {
             return;
         };
-        let deadline = Instant::now() + timeout;
         if c.info().state == ConnectionState::Failed {
             return;
         }
@@ -815,32 +819,45 @@ impl Flow {
                 .add(format!("end of flow: {}", rdmamig_conn::error_chain(&e)));
             return;
         }
-        if !c.flush(timeout) {
+        let acked = wait_while_progressing(stall, || {
+            let info = c.info();
+            match info.state {
+                ConnectionState::Failed => Wait::Over,
+                _ if info.unacked == 0 => Wait::Over,
+                _ => Wait::Pending(info.unacked),
+            }
+        });
+        if !acked {
             let info = c.info();
             self.errors.add(format!(
-                "flush: {} messages still unacknowledged after {} s (connection {:?})",
+                "flush: {} messages still unacknowledged, none acknowledged for {} s (connection {:?})",
                 info.unacked,
-                timeout.as_secs_f64(),
+                stall.as_secs_f64(),
                 info.state
             ));
             return;
         }
-        loop {
+        let ended = wait_while_progressing(stall, || {
             if self.peer_ended() {
-                return;
+                return Wait::Over;
             }
-            let state = c.info().state;
-            if state == ConnectionState::Failed {
-                return;
+            match c.info().state {
+                ConnectionState::Failed => Wait::Over,
+                ConnectionState::Closed => Wait::Abandoned,
+                _ => Wait::Pending(
+                    self.tracker
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .received,
+                ),
             }
-            if state == ConnectionState::Closed || Instant::now() >= deadline {
-                self.errors.add(format!(
-                    "end of flow: the peer's end did not arrive within {} s (connection {state:?})",
-                    timeout.as_secs_f64()
-                ));
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        });
+        if !ended {
+            self.errors.add(format!(
+                "end of flow: the peer's end did not arrive, nothing delivered for {} s (connection {:?})",
+                stall.as_secs_f64(),
+                c.info().state
+            ));
         }
     }
 
@@ -935,6 +952,37 @@ impl Flow {
     }
 }
 
+/// One look at a wait in [`wait_while_progressing`].
+enum Wait {
+    /// Nothing more to wait for.
+    Over,
+    /// Still waiting; the value changes whenever the wait makes progress.
+    Pending(u64),
+    /// It can no longer end well.
+    Abandoned,
+}
+
+/// Polls `look` until it says `Over` (true) or `Abandoned` (false), or until `stall`
+/// passes with its progress value unchanged (false).
+fn wait_while_progressing(stall: Duration, mut look: impl FnMut() -> Wait) -> bool {
+    let mut last: Option<(u64, Instant)> = None;
+    loop {
+        match look() {
+            Wait::Over => return true,
+            Wait::Abandoned => return false,
+            Wait::Pending(p) => match last {
+                Some((q, since)) if q == p => {
+                    if since.elapsed() >= stall {
+                        return false;
+                    }
+                }
+                _ => last = Some((p, Instant::now())),
+            },
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Runs traffic until `stop` is set (or the configured duration passes); returns the report
 /// (summed over the connections).
 pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficError> {
@@ -1014,6 +1062,29 @@ mod tests {
         assert_eq!(decode_message(&end), None);
         assert_eq!(decode_end(&encode_message(36_101, 7, 256)), None);
         assert_eq!(decode_end(&end[..11]), None);
+    }
+
+    #[test]
+    fn a_wait_lasts_while_it_progresses_and_gives_up_on_a_stall() {
+        let stall = Duration::from_millis(100);
+        // Progress every 40 ms for 400 ms: longer than the stall, but never stalled.
+        let start = Instant::now();
+        let slow = wait_while_progressing(stall, || {
+            let step = start.elapsed().as_millis() as u64 / 40;
+            if step >= 10 {
+                Wait::Over
+            } else {
+                Wait::Pending(step)
+            }
+        });
+        assert!(slow, "a slow but steady wait must finish");
+        assert!(start.elapsed() >= Duration::from_millis(400));
+        // No progress at all: given up after about the stall.
+        let start = Instant::now();
+        assert!(!wait_while_progressing(stall, || Wait::Pending(7)));
+        let waited = start.elapsed();
+        assert!(waited >= stall && waited < stall * 5, "{waited:?}");
+        assert!(!wait_while_progressing(stall, || Wait::Abandoned));
     }
 
     #[test]
