@@ -13,10 +13,9 @@ use std::time::Duration;
 
 use rdmamig_proto::agent::{
     AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
-    DeviceHolder, ReleaseScope, UnmanagedProgram, COMMAND_LEN,
+    DeviceHolder, ReleaseScope, UnmanagedProgram,
 };
 use rdmamig_proto::clock::millis;
-use rdmamig_proto::text::printable;
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use rdmamig_vmm::AgentStream;
 use thiserror::Error;
@@ -283,22 +282,14 @@ impl AgentClient {
         }
     }
 
-    /// Every process in the guest that holds an RDMA device without the library. What the
-    /// guest says is untrusted: command lines are made [`printable`] again here.
+    /// Every process in the guest that holds an RDMA device without the library (its
+    /// command lines made printable again, like every text of an answer).
     pub async fn list_unmanaged(
         &mut self,
         deadline: Duration,
     ) -> Result<Vec<UnmanagedProgram>, AgentError> {
         match self.request(AgentCommand::ListUnmanaged, deadline).await? {
-            AgentResult::Unmanaged { mut programs } => {
-                for program in &mut programs {
-                    program.command = printable(&program.command, COMMAND_LEN);
-                    for device in &mut program.devices {
-                        *device = printable(device, COMMAND_LEN);
-                    }
-                }
-                Ok(programs)
-            }
+            AgentResult::Unmanaged { programs } => Ok(programs),
             other => Err(unexpected("list unmanaged programs", &other)),
         }
     }
@@ -393,11 +384,14 @@ impl AgentClient {
             }
         };
         match tokio::time::timeout(deadline, exchange).await {
-            Ok(Ok(AgentResult::Error { message })) => Err(AgentError::Refused {
-                request: name,
-                message,
-            }),
-            Ok(result) => result,
+            Ok(Ok(result)) => match result.into_printable() {
+                AgentResult::Error { message } => Err(AgentError::Refused {
+                    request: name,
+                    message,
+                }),
+                result => Ok(result),
+            },
+            Ok(Err(e)) => Err(e),
             Err(_) => {
                 self.abandoned.insert(id);
                 Err(AgentError::TimedOut {

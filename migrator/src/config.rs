@@ -18,6 +18,8 @@
 //! cert = "/etc/rdmamig/tls/host.pem"
 //! key = "/etc/rdmamig/tls/host.key"
 //! ca = "/etc/rdmamig/tls/ca.pem"
+//! # The VMM sockets (and log files) a peer may name when it moves a VM here.
+//! vmm_paths = ["/run/rdmamig/vmms"]
 //!
 //! [[peer.known]]
 //! name = "hostA"
@@ -101,6 +103,11 @@ pub struct PeerConfig {
     /// The migrators this one talks to (either way), each with its certificate.
     #[serde(default, rename = "known")]
     pub known: Vec<KnownPeer>,
+    /// Files or directories under which every socket and file of a VMM endpoint a peer
+    /// names must be (see [`crate::peer::scope`]). None by default: peers can then only
+    /// reserve and release functions, never drive a VMM here.
+    #[serde(default)]
+    pub vmm_paths: Vec<PathBuf>,
 }
 
 /// One migrator this one talks to.
@@ -139,12 +146,13 @@ mod tests {
     #[test]
     fn the_peer_and_moves_tables_parse() {
         let text = "[peer]\nlisten = \"0.0.0.0:7478\"\ncert = \"/t/h.pem\"\nkey = \"/t/h.key\"\n\
-                    ca = \"/t/ca.pem\"\n\n[[peer.known]]\nname = \"hostA\"\ncert = \"/t/a.pem\"\n\
+                    ca = \"/t/ca.pem\"\nvmm_paths = [\"/run/vmms\"]\n\n[[peer.known]]\nname = \"hostA\"\ncert = \"/t/a.pem\"\n\
                     [moves]\nunmanaged = \"ignore\"\n";
         let config: Config = toml::from_str(text).unwrap();
         let peer = config.peer.unwrap();
         assert_eq!(peer.listen.as_deref(), Some("0.0.0.0:7478"));
         assert_eq!(peer.known[0].name, "hostA");
+        assert_eq!(peer.vmm_paths, [PathBuf::from("/run/vmms")]);
         assert_eq!(config.moves.unmanaged, UnmanagedPolicy::Ignore);
         assert!(toml::from_str::<Config>("[peer]\nlisten = \"x\"\n").is_err());
         assert!(toml::from_str::<Config>("[moves]\nunmanaged = \"kill\"\n").is_err());

@@ -37,7 +37,7 @@ use crate::listen::{Admission, API_CONNECTIONS, METRICS_CONNECTIONS};
 use crate::machine::Phase;
 use crate::metrics::Metrics;
 use crate::moving::{recover, run_move, MoveContext};
-use crate::peer::Destination;
+use crate::peer::{Destination, Scope};
 use crate::plan::MovePlan;
 use crate::report::{MoveEvent, MoveReport};
 use crate::retention::{self, Retention};
@@ -73,6 +73,8 @@ pub struct DaemonConfig {
     /// Where to serve the destination's duties to other migrators (mutual TLS), if anywhere;
     /// the identity is the context's `peers`.
     pub peer_listen: Option<String>,
+    /// The VMM paths those migrators may name (`[peer] vmm_paths`).
+    pub peer_vmm_paths: Vec<PathBuf>,
     /// How many finished moves' journals and reports to keep.
     pub retention: Retention,
 }
@@ -410,6 +412,7 @@ async fn serve_on(
             tls,
             pool: shared.config.context.pool.clone(),
             backends: shared.config.context.backends.clone(),
+            scope: Scope::new(shared.config.peer_vmm_paths.clone()),
         });
         tokio::spawn(async move {
             if let Err(e) = crate::peer::serve(listener, destination).await {
@@ -877,6 +880,7 @@ mod tests {
                 },
                 metrics: None,
                 peer_listen: None,
+                peer_vmm_paths: Vec::new(),
                 retention: Retention::default(),
             },
             held: Vec::new(),

@@ -64,6 +64,7 @@ pub trait DestinationHost: Send + Sync {
     async fn prepare_receive(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         via: &str,
         deadline: Duration,
     ) -> Result<(), StepError>;
@@ -73,6 +74,7 @@ pub trait DestinationHost: Send + Sync {
     async fn confirm_received(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         deadline: Duration,
     ) -> Result<Option<SystemTime>, StepError>;
 
@@ -93,13 +95,19 @@ pub trait DestinationHost: Send + Sync {
     async fn resume(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         connections: &[ConnectionId],
         deadline: Duration,
     ) -> Result<Outcomes, StepError>;
 
     /// Stops the destination VMM, discarding a migrated copy (a rollback after the migration
     /// completed). A VMM already gone is fine.
-    async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError>;
+    async fn discard(
+        &self,
+        endpoint: &Endpoint,
+        of: &MoveRef,
+        deadline: Duration,
+    ) -> Result<(), StepError>;
 
     /// Gives a reserved (or attached) function back to the destination's pool.
     async fn release(
@@ -169,6 +177,7 @@ impl DestinationHost for LocalDestination {
     async fn prepare_receive(
         &self,
         endpoint: &Endpoint,
+        _of: &MoveRef,
         via: &str,
         deadline: Duration,
     ) -> Result<(), StepError> {
@@ -191,6 +200,7 @@ impl DestinationHost for LocalDestination {
     async fn confirm_received(
         &self,
         endpoint: &Endpoint,
+        _of: &MoveRef,
         deadline: Duration,
     ) -> Result<Option<SystemTime>, StepError> {
         bounded(deadline + GRACE, async {
@@ -249,6 +259,7 @@ impl DestinationHost for LocalDestination {
     async fn resume(
         &self,
         endpoint: &Endpoint,
+        _of: &MoveRef,
         connections: &[ConnectionId],
         deadline: Duration,
     ) -> Result<Outcomes, StepError> {
@@ -265,7 +276,12 @@ impl DestinationHost for LocalDestination {
             .await?)
     }
 
-    async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError> {
+    async fn discard(
+        &self,
+        endpoint: &Endpoint,
+        _of: &MoveRef,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
         bounded(deadline, async {
             let vmm = match self.vmm(endpoint).await {
                 Ok(vmm) => vmm,

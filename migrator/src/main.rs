@@ -236,7 +236,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let (peer_listen, peers) = match peer_identity(config.peer) {
+            let peer = match peer_identity(config.peer) {
                 Ok(peer) => peer,
                 Err(e) => {
                     eprintln!("rdmamig daemon: [peer]: {}", error_chain(&e));
@@ -266,7 +266,8 @@ fn main() -> ExitCode {
                 max_moves: usize::from(max_moves),
                 moves: config.moves,
                 metrics,
-                peer_listen,
+                peer_listen: peer.listen,
+                peer_vmm_paths: peer.vmm_paths,
                 retention: Retention {
                     keep: keep_moves as usize,
                     max_age: keep_moves_days
@@ -275,7 +276,7 @@ fn main() -> ExitCode {
                 context: MoveContext {
                     backends: Arc::new(VmmBackends),
                     pool: Arc::new(pool),
-                    peers,
+                    peers: peer.tls,
                     boundary,
                 },
             };
@@ -380,15 +381,28 @@ fn create_state_dir(state_dir: &std::path::Path) -> std::io::Result<()> {
         .create(state_dir)
 }
 
-/// Loads the TLS files the `[peer]` table names; also where to listen, if anywhere.
-type PeerIdentity = (Option<String>, Option<PeerTls>);
+/// What the `[peer]` table gives the daemon.
+#[derive(Default)]
+struct PeerIdentity {
+    /// Where to serve other migrators, if anywhere.
+    listen: Option<String>,
+    /// The VMM paths they may name.
+    vmm_paths: Vec<PathBuf>,
+    /// The TLS identity and the known peers.
+    tls: Option<PeerTls>,
+}
 
+/// Loads the TLS files the `[peer]` table names.
 fn peer_identity(config: Option<PeerConfig>) -> Result<PeerIdentity, PeerError> {
     let Some(config) = config else {
-        return Ok((None, None));
+        return Ok(PeerIdentity::default());
     };
     let tls = PeerTls::load(&config.cert, &config.key, &config.ca, &config.known)?;
-    Ok((config.listen, Some(tls)))
+    Ok(PeerIdentity {
+        listen: config.listen,
+        vmm_paths: config.vmm_paths,
+        tls: Some(tls),
+    })
 }
 
 fn output(json: bool) -> Output {

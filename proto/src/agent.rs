@@ -124,6 +124,81 @@ pub enum AgentResult {
     },
 }
 
+/// The longest text other than a command line that an [`AgentResult`] carries to the
+/// host once made [`printable`](crate::text::printable) (an error, an address, a name).
+pub const TEXT_LEN: usize = 512;
+
+impl AgentResult {
+    /// The result with every text the guest wrote made printable and bounded: the host
+    /// shows these to operators, and the guest is untrusted.
+    pub fn into_printable(self) -> AgentResult {
+        use crate::text::printable;
+        let text = |t: String| printable(&t, TEXT_LEN);
+        match self {
+            AgentResult::Pong { version } => AgentResult::Pong {
+                version: text(version),
+            },
+            AgentResult::Connections { connections } => AgentResult::Connections {
+                connections: connections
+                    .into_iter()
+                    .map(|c| ConnectionInfo {
+                        local: text(c.local),
+                        peer: text(c.peer),
+                        ..c
+                    })
+                    .collect(),
+            },
+            AgentResult::Outcomes {
+                outcomes,
+                elapsed_ms,
+            } => AgentResult::Outcomes {
+                outcomes: outcomes
+                    .into_iter()
+                    .map(ConnectionOutcome::into_printable)
+                    .collect(),
+                elapsed_ms,
+            },
+            AgentResult::Unmanaged { programs } => AgentResult::Unmanaged {
+                programs: programs
+                    .into_iter()
+                    .map(|p| UnmanagedProgram {
+                        command: printable(&p.command, COMMAND_LEN),
+                        devices: p
+                            .devices
+                            .iter()
+                            .map(|d| printable(d, COMMAND_LEN))
+                            .collect(),
+                        ..p
+                    })
+                    .collect(),
+            },
+            AgentResult::Released { holders } => AgentResult::Released {
+                holders: holders
+                    .into_iter()
+                    .map(|h| DeviceHolder {
+                        program: text(h.program),
+                        action: text(h.action),
+                        ..h
+                    })
+                    .collect(),
+            },
+            AgentResult::Error { message } => AgentResult::Error {
+                message: text(message),
+            },
+        }
+    }
+}
+
+impl ConnectionOutcome {
+    /// The outcome with its error made printable and bounded ([`TEXT_LEN`]).
+    pub fn into_printable(self) -> ConnectionOutcome {
+        ConnectionOutcome {
+            error: self.error.map(|e| crate::text::printable(&e, TEXT_LEN)),
+            ..self
+        }
+    }
+}
+
 /// Which side of the connection set-up an endpoint played. The active side reconnects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -232,6 +307,52 @@ pub struct ConnectionOutcome {
 mod tests {
     use super::*;
     use crate::Frame;
+
+    #[test]
+    fn every_text_of_a_result_is_made_printable() {
+        let evil = "x\x1b[2J\ny".to_string();
+        let shown = "x?[2J?y";
+        let result = AgentResult::Outcomes {
+            outcomes: vec![ConnectionOutcome {
+                id: 1,
+                ok: false,
+                elapsed_ms: 0,
+                error: Some(evil.clone()),
+            }],
+            elapsed_ms: 0,
+        };
+        let AgentResult::Outcomes { outcomes, .. } = result.into_printable() else {
+            unreachable!()
+        };
+        assert_eq!(outcomes[0].error.as_deref(), Some(shown));
+        let AgentResult::Error { message } = (AgentResult::Error {
+            message: evil.repeat(1000),
+        })
+        .into_printable() else {
+            unreachable!()
+        };
+        assert!(!message.contains('\x1b'));
+        assert_eq!(
+            message.chars().count(),
+            TEXT_LEN + 1,
+            "cut, with its ellipsis"
+        );
+        let AgentResult::Released { holders } = (AgentResult::Released {
+            holders: vec![DeviceHolder {
+                pid: 1,
+                program: evil.clone(),
+                action: evil,
+                released: true,
+            }],
+        })
+        .into_printable() else {
+            unreachable!()
+        };
+        assert_eq!(
+            (holders[0].program.as_str(), holders[0].action.as_str()),
+            (shown, shown)
+        );
+    }
 
     #[test]
     fn requests_round_trip_through_a_frame() {

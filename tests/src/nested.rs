@@ -71,6 +71,9 @@ const VM_INITRAMFS: &str = "/srv/vm/initramfs.cpio";
 const DAEMON_SOCKET: &str = "/run/rdmamig.sock";
 const DAEMON_CONFIG: &str = "/etc/rdmamig/config.toml";
 const PKI_DIR: &str = "/etc/rdmamig/pki";
+/// Where a nested host's VMs keep their sockets and logs (`<VM_DIR>/<name>/`); what its
+/// daemon lets peers name.
+const VM_DIR: &str = "/run/vm";
 /// The port daemons listen on for each other.
 pub const PEER_PORT: u16 = 7300;
 /// Console commands in a host: most are quick, some (a move) are not.
@@ -251,7 +254,7 @@ impl Host {
             console_at: SocketAddr::new(self.address.parse()?, spec.console_port()),
             netns: self.netns.clone(),
             console: Mutex::new(None),
-            dir: format!("/run/vm/{}", spec.name),
+            dir: format!("{VM_DIR}/{}", spec.name),
             spec,
         })
     }
@@ -318,7 +321,8 @@ impl Host {
                 Path::new(PKI_DIR),
                 name,
                 Some(&format!("{}:{PEER_PORT}", self.address)),
-                &known
+                &known,
+                &[Path::new(VM_DIR)],
             )
         );
         self.write_file(DAEMON_CONFIG, config.as_bytes())?;
@@ -367,7 +371,7 @@ impl Host {
     /// it has booted; with `spec.vf` passed through, also until the VF has an ACTIVE
     /// Soft-RoCE device.
     pub fn start_vm(&self, spec: VmSpec) -> StepResult<Vm> {
-        let dir = format!("/run/vm/{}", spec.name);
+        let dir = format!("{VM_DIR}/{}", spec.name);
         let tap = format!("t{}", spec.number);
         let args = vm_args(&spec, &self.address, &dir, &tap).join(" ");
         self.guest.run_ok(
@@ -564,12 +568,12 @@ impl VmSpec {
 
     /// Its QMP socket in the host.
     pub fn qmp(&self) -> String {
-        format!("/run/vm/{}/qmp.sock", self.name)
+        format!("{VM_DIR}/{}/qmp.sock", self.name)
     }
 
     /// Its agent socket in the host.
     pub fn agent(&self) -> String {
-        format!("/run/vm/{}/agent.sock", self.name)
+        format!("{VM_DIR}/{}/agent.sock", self.name)
     }
 }
 

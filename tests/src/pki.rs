@@ -58,19 +58,20 @@ impl Pki {
     }
 
     /// A `[peer]` table for host `name`, listening on `listen` if given, knowing `known`
-    /// (name, whose certificate, address).
+    /// (name, whose certificate, address), letting peers name the VMMs under `vmm_paths`.
     pub fn peer_table(
         &self,
         name: &str,
         listen: Option<u16>,
         known: &[(&str, &str, u16)],
+        vmm_paths: &[&Path],
     ) -> String {
         let listen = listen.map(|port| format!("127.0.0.1:{port}"));
         let known: Vec<(&str, &str, String)> = known
             .iter()
             .map(|(peer, cert, port)| (*peer, *cert, format!("127.0.0.1:{port}")))
             .collect();
-        peer_table_in(&self.dir, name, listen.as_deref(), &known)
+        peer_table_in(&self.dir, name, listen.as_deref(), &known, vmm_paths)
     }
 
     /// The files of `names` (`<name>.pem`, `<name>.key`) and `ca.pem`, with their contents:
@@ -91,12 +92,14 @@ impl Pki {
 }
 
 /// A `[peer]` table for host `name` whose certificates are in `dir` (on the host that reads
-/// it), listening on `listen` if given, knowing `known` (name, whose certificate, address).
+/// it), listening on `listen` if given, knowing `known` (name, whose certificate, address),
+/// letting peers name the VMMs under `vmm_paths`.
 pub fn peer_table_in(
     dir: &Path,
     name: &str,
     listen: Option<&str>,
     known: &[(&str, &str, String)],
+    vmm_paths: &[&Path],
 ) -> String {
     let dir = dir.display();
     let mut text = format!(
@@ -105,6 +108,11 @@ pub fn peer_table_in(
     if let Some(listen) = listen {
         text.push_str(&format!("listen = \"{listen}\"\n"));
     }
+    let vmm_paths: Vec<String> = vmm_paths
+        .iter()
+        .map(|p| format!("{:?}", p.display().to_string()))
+        .collect();
+    text.push_str(&format!("vmm_paths = [{}]\n", vmm_paths.join(", ")));
     for (peer, cert, address) in known {
         text.push_str(&format!(
             "\n[[peer.known]]\nname = \"{peer}\"\ncert = \"{dir}/{cert}.pem\"\n\

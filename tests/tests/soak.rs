@@ -126,7 +126,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     let config = bed.dir().join("rdmamig.toml");
     let text = format!(
         "{POOL}\n{}",
-        pki.peer_table("soak", Some(peer_port), &[("self", "soak", peer_port)])
+        pki.peer_table("soak", Some(peer_port), &[("self", "soak", peer_port)], &[])
     );
     std::fs::write(&config, text).unwrap();
     let mut daemon = Daemon::start_named(bed.dir(), "rdmamig", Some(&config))

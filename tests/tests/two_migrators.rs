@@ -6,7 +6,11 @@
 //! that, with the traffic running: a destination that presents a certificate other than the
 //! one the source lists for that name is refused by the sending side, and a destination
 //! migrator without a free function refuses the reservation; both moves roll back at
-//! prepare, before anything in the VM is touched. Strategy `vfio-migrate` is refused for the
+//! prepare, before anything in the VM is touched. The source's own credentials cannot make
+//! the destination act outside the source's moves: a `Discard` of a VMM outside the
+//! destination's `vmm_paths` (the peer VM), a `Discard` of one no move of the source readied,
+//! and a host device plugged without a pool function are refused, logged with the peer, and
+//! nothing is stopped. Strategy `vfio-migrate` is refused for the
 //! source's function, an emulated NIC, before anything happens; the move itself runs with
 //! `auto`, which picks `reconnect` for that function and says why. Nothing is lost,
 //! duplicated or reordered.
@@ -17,10 +21,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use rdmamig_migrator::config::KnownPeer;
+use rdmamig_migrator::destination::MoveRef;
+use rdmamig_migrator::peer::{
+    self, PeerAnswer, PeerCall, PeerRequest, PeerTls, PEER_PROTOCOL_VERSION,
+};
+use rdmamig_migrator::plan::Endpoint;
 use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, Testbed};
+use rdmamig_vmm::DeviceSpec;
 use serde_json::Value;
 
 const TAG: &str = "flow";
@@ -79,6 +90,92 @@ fn pool_state(daemon: &Daemon, name: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// Asks the destination migrator, with the source's own (authenticated) identity, for what
+/// no move of the source opened: a `Discard` of the peer VM's QEMU (outside the
+/// destination's `vmm_paths`), a `Discard` of the waiting destination QEMU, and a
+/// `vfio-pci,host=` device plugged into it without a pool function. Each is refused, and
+/// the peer VM still runs (the destination QEMU's later move shows it still waits).
+fn refused_outside_scope(pki: &Pki, destination_port: u16, guests: &MoveGuests) {
+    let known = [KnownPeer {
+        name: "dst".into(),
+        cert: pki.file("destination", "pem"),
+        address: Some(format!("127.0.0.1:{destination_port}")),
+    }];
+    let tls = PeerTls::load(
+        &pki.file("source", "pem"),
+        &pki.file("source", "key"),
+        &pki.file("ca", "pem"),
+        &known,
+    )
+    .unwrap();
+    let target = tls.resolve("dst").unwrap();
+    let probe = MoveRef {
+        move_id: "probe".into(),
+        vm: guests.src.spec().name.clone(),
+    };
+    let arrivals = Endpoint::Qemu {
+        qmp: guests.dst.qmp_socket(),
+        agent: Some(guests.dst.agent_socket()),
+    };
+    let calls = [
+        (
+            PeerCall::Discard {
+                endpoint: Endpoint::Qemu {
+                    qmp: guests.peer.qmp_socket(),
+                    agent: None,
+                },
+                of: probe.clone(),
+            },
+            "is not under any of this host's [peer] vmm_paths",
+        ),
+        (
+            PeerCall::Discard {
+                endpoint: arrivals.clone(),
+                of: probe.clone(),
+            },
+            "move probe was not opened here",
+        ),
+        (
+            PeerCall::Attach {
+                endpoint: arrivals,
+                of: probe,
+                function: None,
+                device: DeviceSpec::parse("driver=vfio-pci,id=probe,host=0000:00:02.0").unwrap(),
+                check_first: false,
+            },
+            "names host hardware (driver=vfio-pci)",
+        ),
+    ];
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for (call, expected) in calls {
+        let request = PeerRequest {
+            version: PEER_PROTOCOL_VERSION,
+            deadline_ms: 10_000,
+            call,
+        };
+        let answer = runtime
+            .block_on(peer::call(&tls, &target, &request))
+            .unwrap();
+        match answer {
+            PeerAnswer::Refused { reason } => assert!(
+                reason.contains("outside this peer's scope") && reason.contains(expected),
+                "{reason}"
+            ),
+            answer => panic!("{:?} was done: {answer:?}", request.call),
+        }
+    }
+    let status = guests
+        .peer
+        .qmp()
+        .unwrap()
+        .execute("query-status", serde_json::json!({}))
+        .unwrap();
+    assert_eq!(status["status"], "running", "the peer VM: {status}");
+}
+
 #[test]
 fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back() {
     let bed = Testbed::new("twomigrators").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
@@ -99,15 +196,23 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
                 ("impostor", "stranger", destination_port),
                 ("full", "full", full_port),
             ],
+            &[],
         )
     );
-    let destination_config =
-        format!(
+    // The destination lets peers name only the VMM its move arrives in (`tm-dst`'s
+    // directory), not the peer VM's.
+    let arrivals = bed.dir().join("tm-dst");
+    let destination_config = format!(
         "[[pool.function]]\nname = \"tap1\"\ndevice = \"driver=virtio-net-pci,netdev=nd0\"\n\n{}",
-        pki.peer_table("destination", Some(destination_port), &[("src", "source", 0)])
+        pki.peer_table(
+            "destination",
+            Some(destination_port),
+            &[("src", "source", 0)],
+            &[arrivals.as_path()]
+        )
     );
     // `full` has a pool without a free function.
-    let full_config = pki.peer_table("full", Some(full_port), &[("src", "source", 0)]);
+    let full_config = pki.peer_table("full", Some(full_port), &[("src", "source", 0)], &[]);
     let start = |name: &str, text: &str| {
         let config = write_config(bed.dir(), name, text);
         Daemon::start_named(bed.dir(), name, Some(&config))
@@ -159,6 +264,18 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
     );
     assert_eq!(phases(&report), ["prepare", "rollback"]);
     assert_eq!(pool_state(&destination, "tap1")["state"], "free");
+
+    // The source's own credentials, outside its scope: nothing is done.
+    refused_outside_scope(&pki, destination_port, &guests);
+    let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log")).unwrap();
+    let refusals = log
+        .lines()
+        .filter(|l| l.contains("outside this peer's scope") && l.contains("peer=src"))
+        .count();
+    assert_eq!(
+        refusals, 3,
+        "the refusals are not logged with the peer: {log}"
+    );
 
     // vfio-migrate on a function that cannot: refused before anything happens.
     let out = migrate_command(source.socket(), &guests.src, &guests.dst)

@@ -63,6 +63,7 @@ impl Mover {
             .destination()?
             .confirm_received(
                 &self.destination_endpoint()?,
+                &self.move_ref(),
                 deadline.saturating_sub(start.elapsed()),
             )
             .await?;
@@ -97,7 +98,7 @@ impl Mover {
         let start = Instant::now();
         let destination = self.destination_endpoint()?;
         self.destination()?
-            .confirm_received(&destination, deadline)
+            .confirm_received(&destination, &self.move_ref(), deadline)
             .await?;
         self.migrated = true;
         self.location = VmLocation::Destination;
@@ -117,7 +118,7 @@ impl Mover {
         };
         let said = match (self.destination(), self.destination_endpoint()) {
             (Ok(destination), Ok(endpoint)) => destination
-                .confirm_received(&endpoint, RECEIVERS_WORD)
+                .confirm_received(&endpoint, &self.move_ref(), RECEIVERS_WORD)
                 .await
                 .err(),
             _ => None,

@@ -89,6 +89,7 @@ impl Mover {
             destination
                 .prepare_receive(
                     &self.destination_endpoint()?,
+                    &self.move_ref(),
                     &self.plan.via,
                     deadline.saturating_sub(start.elapsed()),
                 )

@@ -11,7 +11,10 @@ impl Mover {
         self.agent = None;
         let ids = self.ids.clone();
         let endpoint = self.destination_endpoint()?;
-        let resumed = self.destination()?.resume(&endpoint, &ids, deadline).await;
+        let resumed = self
+            .destination()?
+            .resume(&endpoint, &self.move_ref(), &ids, deadline)
+            .await;
         let result = match resumed {
             Ok(result) => result,
             Err(e) => match (&e, &self.agent_lost) {

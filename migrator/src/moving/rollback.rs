@@ -131,7 +131,9 @@ impl Mover {
             if self.migrated {
                 let deadline = self.deadline(Phase::Rollback);
                 let endpoint = self.destination_endpoint()?;
-                self.destination()?.discard(&endpoint, deadline).await?;
+                self.destination()?
+                    .discard(&endpoint, &self.move_ref(), deadline)
+                    .await?;
                 steps.push("destination VMM stopped (the migrated copy is discarded)".into());
                 if !source.status().await?.running {
                     source.resume().await?;

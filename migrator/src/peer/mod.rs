@@ -11,7 +11,9 @@
 //! a certificate, or with one the CA did not sign, fails the handshake and nothing is read
 //! from it. A certificate the CA signed is not enough either: the other end's certificate
 //! must be one of the configured peers' (exact DER match), on both sides, so that one host's
-//! credentials cannot be replayed by a machine the operator did not list. Every request
+//! credentials cannot be replayed by a machine the operator did not list. An authenticated
+//! peer is still trusted only with its own moves, on the VMMs this host allows ([`scope`]).
+//! Every request
 //! carries the protocol version and its deadline; another version is refused with its
 //! number, and nothing is done for a refused request. Frames are rdmamig-proto frames (size
 //! limit included) through [`crate::channel::Channel`]; the handshake and the request have
@@ -21,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use rdmamig_proto::agent::ConnectionOutcome;
+use rdmamig_proto::agent::{ConnectionOutcome, TEXT_LEN};
+use rdmamig_proto::text::printable;
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::DeviceSpec;
 use rustls::pki_types::ServerName;
@@ -39,13 +42,14 @@ use crate::pool::{Attachment, Pool};
 use crate::step::StepError;
 use rdmamig_proto::text::error_chain;
 
+pub mod scope;
 pub mod tls;
 
+pub use scope::{Scope, ScopeError};
 pub use tls::{PeerError, PeerTarget, PeerTls};
 
-/// The version of the peer protocol this build speaks (2: the source side, with deadlines,
-/// resume and discard).
-pub const PEER_PROTOCOL_VERSION: u32 = 2;
+/// The version of the peer protocol this build speaks (3: every call names its move).
+pub const PEER_PROTOCOL_VERSION: u32 = 3;
 
 /// Time a peer has to finish the TLS handshake and send its request.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -84,6 +88,8 @@ pub enum PeerCall {
     PrepareReceive {
         /// The destination VMM on that host.
         endpoint: Endpoint,
+        /// The move.
+        of: MoveRef,
         /// Where the migration stream arrives.
         via: String,
     },
@@ -104,6 +110,8 @@ pub enum PeerCall {
     Resume {
         /// The destination VMM on that host.
         endpoint: Endpoint,
+        /// The move.
+        of: MoveRef,
         /// The connections the source listed.
         connections: Vec<ConnectionId>,
     },
@@ -111,11 +119,15 @@ pub enum PeerCall {
     ConfirmReceived {
         /// The destination VMM on that host.
         endpoint: Endpoint,
+        /// The move.
+        of: MoveRef,
     },
     /// Stop the destination VMM (a rollback after the migration completed).
     Discard {
         /// The destination VMM on that host.
         endpoint: Endpoint,
+        /// The move.
+        of: MoveRef,
     },
     /// Give a reservation (or an attached function, after a failed move) back.
     Release {
@@ -124,6 +136,33 @@ pub enum PeerCall {
         /// The move.
         of: MoveRef,
     },
+}
+
+impl PeerCall {
+    /// The move the call is for (every call names one: see [`scope`]).
+    pub fn of(&self) -> &MoveRef {
+        match self {
+            PeerCall::Reserve { of }
+            | PeerCall::PrepareReceive { of, .. }
+            | PeerCall::Attach { of, .. }
+            | PeerCall::Resume { of, .. }
+            | PeerCall::ConfirmReceived { of, .. }
+            | PeerCall::Discard { of, .. }
+            | PeerCall::Release { of, .. } => of,
+        }
+    }
+
+    /// The VMM endpoint the call acts on, if it acts on one.
+    pub fn endpoint(&self) -> Option<&Endpoint> {
+        match self {
+            PeerCall::Reserve { .. } | PeerCall::Release { .. } => None,
+            PeerCall::PrepareReceive { endpoint, .. }
+            | PeerCall::Attach { endpoint, .. }
+            | PeerCall::Resume { endpoint, .. }
+            | PeerCall::ConfirmReceived { endpoint, .. }
+            | PeerCall::Discard { endpoint, .. } => Some(endpoint),
+        }
+    }
 }
 
 /// The destination's answer.
@@ -158,6 +197,45 @@ pub enum PeerAnswer {
     },
 }
 
+impl PeerAnswer {
+    /// The answer with every text the peer wrote made printable and bounded: it reaches the
+    /// operator's terminal, and a peer is trusted only with its own moves.
+    fn into_printable(self) -> PeerAnswer {
+        let text = |t: &str| printable(t, TEXT_LEN);
+        match self {
+            PeerAnswer::Reserved {
+                function,
+                attachment,
+            } => PeerAnswer::Reserved {
+                function: text(&function),
+                attachment,
+            },
+            PeerAnswer::Plugged { plugged } => PeerAnswer::Plugged {
+                plugged: Plugged {
+                    id: text(&plugged.id),
+                    driver: text(&plugged.driver),
+                    bdf: plugged.bdf.as_deref().map(text),
+                    ..plugged
+                },
+            },
+            PeerAnswer::Resumed {
+                outcomes,
+                elapsed_ms,
+            } => PeerAnswer::Resumed {
+                outcomes: outcomes
+                    .into_iter()
+                    .map(ConnectionOutcome::into_printable)
+                    .collect(),
+                elapsed_ms,
+            },
+            PeerAnswer::Done => PeerAnswer::Done,
+            PeerAnswer::Refused { reason } => PeerAnswer::Refused {
+                reason: text(&reason),
+            },
+        }
+    }
+}
+
 /// What the destination side needs to do its duties.
 pub struct Destination {
     /// The TLS identity and the known peers.
@@ -166,6 +244,8 @@ pub struct Destination {
     pub pool: Arc<Pool>,
     /// How the destination's VMMs are reached.
     pub backends: Arc<dyn Backends>,
+    /// What each peer may ask for.
+    pub scope: Scope,
 }
 
 /// Serves peer requests on `listener` until the task is dropped.
@@ -210,43 +290,7 @@ pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Resu
                 return;
             };
             let answer = match request {
-                Ok(Some(request)) if request.version != PEER_PROTOCOL_VERSION => {
-                    PeerAnswer::Refused {
-                        reason: format!(
-                            "unsupported peer protocol version {} (this migrator speaks {})",
-                            request.version, PEER_PROTOCOL_VERSION
-                        ),
-                    }
-                }
-                Ok(Some(request)) => {
-                    tracing::info!(%peer, call = ?request.call, "peer request");
-                    let asked = Duration::from_millis(request.deadline_ms);
-                    let deadline = asked.min(MAX_CALL);
-                    let local = LocalDestination::new(
-                        destination.backends.clone(),
-                        destination.pool.clone(),
-                    );
-                    match tokio::time::timeout(deadline, handle(&local, request.call, deadline))
-                        .await
-                    {
-                        Ok(answer) => answer,
-                        Err(_) => PeerAnswer::Refused {
-                            reason: if asked > MAX_CALL {
-                                format!(
-                                    "not done within {} ms, the most this migrator gives one \
-                                     request (it asked {} ms)",
-                                    deadline.as_millis(),
-                                    asked.as_millis()
-                                )
-                            } else {
-                                format!(
-                                    "not done within the request's deadline of {} ms",
-                                    deadline.as_millis()
-                                )
-                            },
-                        },
-                    }
-                }
+                Ok(Some(request)) => answer(&destination, &peer, request).await,
                 Ok(None) => return,
                 Err(e) => PeerAnswer::Refused {
                     reason: format!("bad request: {}", error_chain(&e)),
@@ -260,8 +304,54 @@ pub async fn serve(listener: TcpListener, destination: Arc<Destination>) -> Resu
     }
 }
 
+/// Answers one request from `peer`: refused if it speaks another version or asks for
+/// something outside its scope, else done within its deadline (at most [`MAX_CALL`]).
+async fn answer(destination: &Destination, peer: &str, request: PeerRequest) -> PeerAnswer {
+    if request.version != PEER_PROTOCOL_VERSION {
+        return PeerAnswer::Refused {
+            reason: format!(
+                "unsupported peer protocol version {} (this migrator speaks {})",
+                request.version, PEER_PROTOCOL_VERSION
+            ),
+        };
+    }
+    if let Err(e) = destination.scope.admit(peer, &request.call) {
+        return PeerAnswer::Refused {
+            reason: format!("outside this peer's scope: {e}"),
+        };
+    }
+    tracing::info!(%peer, call = ?request.call, "peer request");
+    let asked = Duration::from_millis(request.deadline_ms);
+    let deadline = asked.min(MAX_CALL);
+    let local = LocalDestination::new(destination.backends.clone(), destination.pool.clone());
+    let work = handle(&local, &destination.scope, request.call, deadline);
+    match tokio::time::timeout(deadline, work).await {
+        Ok(answer) => answer,
+        Err(_) => PeerAnswer::Refused {
+            reason: if asked > MAX_CALL {
+                format!(
+                    "not done within {} ms, the most this migrator gives one request (it \
+                     asked {} ms)",
+                    deadline.as_millis(),
+                    asked.as_millis()
+                )
+            } else {
+                format!(
+                    "not done within the request's deadline of {} ms",
+                    deadline.as_millis()
+                )
+            },
+        },
+    }
+}
+
 /// Does one duty on this host.
-async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) -> PeerAnswer {
+async fn handle(
+    local: &LocalDestination,
+    scope: &Scope,
+    call: PeerCall,
+    deadline: Duration,
+) -> PeerAnswer {
     let result = match call {
         PeerCall::Reserve { of } => {
             local
@@ -272,8 +362,8 @@ async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) ->
                     attachment,
                 })
         }
-        PeerCall::PrepareReceive { endpoint, via } => local
-            .prepare_receive(&endpoint, &via, deadline)
+        PeerCall::PrepareReceive { endpoint, of, via } => local
+            .prepare_receive(&endpoint, &of, &via, deadline)
             .await
             .map(|()| PeerAnswer::Done),
         PeerCall::Attach {
@@ -295,22 +385,26 @@ async fn handle(local: &LocalDestination, call: PeerCall, deadline: Duration) ->
             .map(|plugged| PeerAnswer::Plugged { plugged }),
         PeerCall::Resume {
             endpoint,
+            of,
             connections,
         } => local
-            .resume(&endpoint, &connections, deadline)
+            .resume(&endpoint, &of, &connections, deadline)
             .await
             .map(|result| PeerAnswer::Resumed {
                 outcomes: result.outcomes,
                 elapsed_ms: result.elapsed_ms,
             }),
-        PeerCall::ConfirmReceived { endpoint } => local
-            .confirm_received(&endpoint, deadline)
+        PeerCall::ConfirmReceived { endpoint, of } => local
+            .confirm_received(&endpoint, &of, deadline)
             .await
             .map(|_| PeerAnswer::Done),
-        PeerCall::Discard { endpoint } => local
-            .discard(&endpoint, deadline)
-            .await
-            .map(|()| PeerAnswer::Done),
+        PeerCall::Discard { endpoint, of } => {
+            let discarded = local.discard(&endpoint, &of, deadline).await;
+            if discarded.is_ok() {
+                scope.discarded(&of);
+            }
+            discarded.map(|()| PeerAnswer::Done)
+        }
         PeerCall::Release { function, of } => local
             .release(&function, &of, deadline)
             .await
@@ -407,7 +501,10 @@ impl RemoteDestination {
             deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
             call: duty,
         };
-        match call(&self.tls, &self.target, &request).await? {
+        match call(&self.tls, &self.target, &request)
+            .await?
+            .into_printable()
+        {
             PeerAnswer::Refused { reason } => Err(PeerError::Refused {
                 peer: self.target.to_string(),
                 reason,
@@ -465,11 +562,13 @@ impl DestinationHost for RemoteDestination {
     async fn prepare_receive(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         via: &str,
         deadline: Duration,
     ) -> Result<(), StepError> {
         let call = PeerCall::PrepareReceive {
             endpoint: endpoint.clone(),
+            of: of.clone(),
             via: via.into(),
         };
         self.ask_done(call, deadline, "prepare_receive").await
@@ -500,11 +599,13 @@ impl DestinationHost for RemoteDestination {
     async fn resume(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         connections: &[ConnectionId],
         deadline: Duration,
     ) -> Result<Outcomes, StepError> {
         let call = PeerCall::Resume {
             endpoint: endpoint.clone(),
+            of: of.clone(),
             connections: connections.to_vec(),
         };
         match self.ask(call, deadline).await? {
@@ -524,19 +625,27 @@ impl DestinationHost for RemoteDestination {
     async fn confirm_received(
         &self,
         endpoint: &Endpoint,
+        of: &MoveRef,
         deadline: Duration,
     ) -> Result<Option<SystemTime>, StepError> {
         let call = PeerCall::ConfirmReceived {
             endpoint: endpoint.clone(),
+            of: of.clone(),
         };
         self.ask_done(call, deadline, "confirm received")
             .await
             .map(|()| None)
     }
 
-    async fn discard(&self, endpoint: &Endpoint, deadline: Duration) -> Result<(), StepError> {
+    async fn discard(
+        &self,
+        endpoint: &Endpoint,
+        of: &MoveRef,
+        deadline: Duration,
+    ) -> Result<(), StepError> {
         let call = PeerCall::Discard {
             endpoint: endpoint.clone(),
+            of: of.clone(),
         };
         self.ask_done(call, deadline, "discard").await
     }
@@ -637,6 +746,7 @@ mod tests {
             tls,
             pool: pool.clone(),
             backends: Arc::new(FakeBackends(host.clone())),
+            scope: Scope::new(vec!["/d".into()]),
         });
         tokio::spawn(serve(listener, destination));
         (address, pool, dir)
@@ -898,15 +1008,158 @@ mod tests {
         );
         let client = pki.tls(&src, &[("dst", &dst.0, None)]);
         let mut future = reserve();
-        future.version = 3;
+        future.version = 4;
         let answer = call(&client, &target(&address), &future).await.unwrap();
         assert_eq!(
             answer,
             PeerAnswer::Refused {
-                reason: "unsupported peer protocol version 3 (this migrator speaks 2)".into()
+                reason: "unsupported peer protocol version 4 (this migrator speaks 3)".into()
             }
         );
         assert_eq!(pool.state("vf0"), Some(FunctionState::Free));
+    }
+
+    #[test]
+    fn a_peers_words_reach_the_terminal_printable() {
+        let refused = PeerAnswer::Refused {
+            reason: "no\x1b[2J\n".into(),
+        };
+        assert_eq!(
+            refused.into_printable(),
+            PeerAnswer::Refused {
+                reason: "no?[2J?".into()
+            }
+        );
+        let resumed = PeerAnswer::Resumed {
+            outcomes: vec![ConnectionOutcome {
+                id: 1,
+                ok: false,
+                elapsed_ms: 2,
+                error: Some("\x07bell".into()),
+            }],
+            elapsed_ms: 3,
+        };
+        let PeerAnswer::Resumed { outcomes, .. } = resumed.into_printable() else {
+            panic!("not a resume's answer");
+        };
+        assert_eq!(outcomes[0].error.as_deref(), Some("?bell"));
+    }
+
+    /// The destination's endpoint in `plan()` (under the destination's `vmm_paths`, /d).
+    fn dst_endpoint() -> Endpoint {
+        plan().destination.unwrap()
+    }
+
+    fn request(call: PeerCall) -> PeerRequest {
+        PeerRequest {
+            version: PEER_PROTOCOL_VERSION,
+            deadline_ms: 1000,
+            call,
+        }
+    }
+
+    async fn refusal(tls: &PeerTls, address: &str, call: PeerCall) -> String {
+        match super::call(tls, &target(address), &request(call))
+            .await
+            .unwrap()
+        {
+            PeerAnswer::Refused { reason } => reason,
+            answer => panic!("done, not refused: {answer:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_authenticated_peer_acts_only_on_allowed_endpoints_and_its_own_moves() {
+        let pki = Pki::new("rdmamig");
+        let (src, dst, other) = (pki.issue("src"), pki.issue("dst"), pki.issue("other"));
+        let host = FakeHost::new();
+        let (address, _pool, _dir) = destination(
+            pki.tls(&dst, &[("src", &src.0, None), ("other", &other.0, None)]),
+            &host,
+        )
+        .await;
+        let client = pki.tls(&src, &[("dst", &dst.0, None)]);
+        let intruder = pki.tls(&other, &[("dst", &dst.0, None)]);
+        // A VMM outside the destination's vmm_paths: another VM's QMP socket.
+        let unrelated = Endpoint::Qemu {
+            qmp: "/s/qmp".into(),
+            agent: None,
+        };
+        let reason = refusal(
+            &client,
+            &address,
+            PeerCall::Discard {
+                endpoint: unrelated,
+                of: of(),
+            },
+        )
+        .await;
+        assert!(reason.contains("/s/qmp is not under"), "{reason}");
+        // An allowed VMM, but no move of this peer readied it.
+        let reason = refusal(
+            &client,
+            &address,
+            PeerCall::Discard {
+                endpoint: dst_endpoint(),
+                of: of(),
+            },
+        )
+        .await;
+        assert!(reason.contains("move m1 was not opened here"), "{reason}");
+        // The peer opens its move; another peer cannot act in it.
+        let prepare = PeerCall::PrepareReceive {
+            endpoint: dst_endpoint(),
+            of: of(),
+            via: "unix:/d/mig.sock".into(),
+        };
+        let answer = call(&client, &target(&address), &request(prepare.clone()))
+            .await
+            .unwrap();
+        assert_eq!(answer, PeerAnswer::Done);
+        let reason = refusal(
+            &intruder,
+            &address,
+            PeerCall::Discard {
+                endpoint: dst_endpoint(),
+                of: of(),
+            },
+        )
+        .await;
+        assert!(reason.contains("opened here by peer src"), "{reason}");
+        let reason = refusal(
+            &intruder,
+            &address,
+            PeerCall::PrepareReceive {
+                endpoint: dst_endpoint(),
+                of: MoveRef {
+                    move_id: "m2".into(),
+                    vm: "vm2".into(),
+                },
+                via: "unix:/d/mig.sock".into(),
+            },
+        )
+        .await;
+        assert!(
+            reason.contains("receiving move m1 for peer src"),
+            "{reason}"
+        );
+        // Without a pool function, no host device is plugged.
+        let reason = refusal(
+            &client,
+            &address,
+            PeerCall::Attach {
+                endpoint: dst_endpoint(),
+                of: of(),
+                function: None,
+                device: DeviceSpec::parse("driver=vfio-pci,id=x,host=0000:00:1f.0").unwrap(),
+                check_first: false,
+            },
+        )
+        .await;
+        assert!(reason.contains("driver=vfio-pci"), "{reason}");
+        let state = host.state();
+        assert!(!state.destination_gone, "a refused discard stopped the VMM");
+        assert!(state.plugged.is_empty(), "{:?}", state.plugged);
     }
 
     #[tokio::test]
