@@ -1,12 +1,23 @@
 //! Arbitrary bytes on any framed channel (host <-> agent, agent <-> application) must yield
 //! frames, typed errors or "incomplete", never a panic, and resynchronising must always
-//! make progress.
+//! make progress. Whatever the guest's answer says, once made printable it has no control
+//! character left to reach a terminal.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use rdmamig_proto::agent::{AgentRequest, AgentResponse};
 use rdmamig_proto::app::{AgentToApp, AppToAgent};
 use rdmamig_proto::{FrameBuffer, FrameError};
+
+/// No string anywhere in `value` has a control character.
+fn printable(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => !s.chars().any(char::is_control),
+        serde_json::Value::Array(items) => items.iter().all(printable),
+        serde_json::Value::Object(fields) => fields.values().all(printable),
+        _ => true,
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     let mut frames = FrameBuffer::new();
@@ -19,7 +30,11 @@ fuzz_target!(|data: &[u8]| {
             match frames.pop() {
                 Ok(frame) => {
                     let _ = frame.decode::<AgentRequest>();
-                    let _ = frame.decode::<AgentResponse>();
+                    if let Ok(response) = frame.decode::<AgentResponse>() {
+                        let shown = serde_json::to_value(response.result.into_printable())
+                            .expect("a result serializes");
+                        assert!(printable(&shown), "{shown}");
+                    }
                     let _ = frame.decode::<AgentToApp>();
                     let _ = frame.decode::<AppToAgent>();
                 }

@@ -334,6 +334,12 @@ pub fn read(path: &Path) -> Result<Replay, JournalError> {
         path: path.into(),
         source,
     })?;
+    parse(path, &bytes)
+}
+
+/// Replays a journal's bytes (`path` names it in errors); what [`read`] does once it has
+/// read the file.
+pub fn parse(path: &Path, bytes: &[u8]) -> Result<Replay, JournalError> {
     let corrupt = |line: usize, reason: String| JournalError::Corrupt {
         path: path.into(),
         line,

@@ -390,9 +390,14 @@ fn parse_answer(command: &str, answer: Value) -> Result<Value, QmpError> {
 
 /// What one line from QEMU is.
 #[derive(Debug, PartialEq)]
-enum Incoming {
-    /// An answer to command `id`.
-    Answer { id: u64, answer: Value },
+pub enum Incoming {
+    /// An answer to a command.
+    Answer {
+        /// The command's `id`.
+        id: u64,
+        /// The whole answer (`return` or `error`).
+        answer: Value,
+    },
     /// An event.
     Event(QmpEvent),
     /// Something else (an answer without our id): logged and dropped.
@@ -400,7 +405,7 @@ enum Incoming {
 }
 
 /// Classifies one line. `Err` means the line is not JSON (the session cannot go on).
-fn classify(line: &[u8]) -> Result<Incoming, String> {
+pub fn classify(line: &[u8]) -> Result<Incoming, String> {
     let value: Value =
         serde_json::from_slice(line).map_err(|e| format!("malformed QMP line: {e}"))?;
     if let Some(name) = value.get("event").and_then(Value::as_str) {
