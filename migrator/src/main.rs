@@ -13,7 +13,6 @@ use rdmamig_migrator::cli::{self, Output};
 use rdmamig_migrator::config::{Config, ConfigError, PeerConfig};
 use rdmamig_migrator::daemon::DaemonConfig;
 use rdmamig_migrator::flags::{MoveFlags, VmmFlags, DEFAULT_SOCKET};
-use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::moving::{BoundaryHook, MoveContext};
 use rdmamig_migrator::peer::{PeerError, PeerTls};
 use rdmamig_migrator::pool::{Pool, PoolError};
@@ -25,8 +24,10 @@ use rdmamig_proto::text::error_chain;
 /// The daemon's state directory when none is given.
 const DEFAULT_STATE_DIR: &str = "/var/lib/rdmamig";
 
-/// Fault injection for the crash tests: the daemon aborts once it has journaled this phase
-/// (a phase name, or `rollback`), as if it were killed at that phase boundary.
+/// Fault injection for the crash tests, only in builds with the `fault-injection` feature:
+/// the daemon aborts once it has journaled this phase (a phase name, or `rollback`), as if it
+/// were killed at that phase boundary.
+#[cfg(feature = "fault-injection")]
 const CRASH_AT_ENV: &str = "RDMAMIG_CRASH_AT";
 
 #[derive(Parser)]
@@ -250,15 +251,12 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            let boundary = match std::env::var(CRASH_AT_ENV) {
-                Ok(name) => match name.parse::<Phase>() {
-                    Ok(crash_at) => Some(crash_hook(crash_at)),
-                    Err(e) => {
-                        eprintln!("rdmamig daemon: {CRASH_AT_ENV}: {e}");
-                        return ExitCode::from(2);
-                    }
-                },
-                Err(_) => None,
+            let boundary = match crash_hook() {
+                Ok(boundary) => boundary,
+                Err(e) => {
+                    eprintln!("rdmamig daemon: {e}");
+                    return ExitCode::from(2);
+                }
             };
             let config = DaemonConfig {
                 socket,
@@ -413,14 +411,28 @@ fn output(json: bool) -> Output {
     }
 }
 
-/// Aborts the process when the move reaches `crash_at` (see [`CRASH_AT_ENV`]).
-fn crash_hook(crash_at: Phase) -> BoundaryHook {
-    Arc::new(move |phase| {
+/// The hook that aborts the process when a move reaches the phase [`CRASH_AT_ENV`] names,
+/// if it names one.
+#[cfg(feature = "fault-injection")]
+fn crash_hook() -> Result<Option<BoundaryHook>, String> {
+    let Ok(name) = std::env::var(CRASH_AT_ENV) else {
+        return Ok(None);
+    };
+    let crash_at: rdmamig_migrator::machine::Phase =
+        name.parse().map_err(|e| format!("{CRASH_AT_ENV}: {e}"))?;
+    eprintln!("rdmamig daemon: fault injection: aborting once a move journals {crash_at}");
+    Ok(Some(Arc::new(move |phase| {
         if phase == crash_at {
             eprintln!("rdmamig daemon: {CRASH_AT_ENV}={crash_at}: aborting at this boundary");
             std::process::abort();
         }
-    })
+    })))
+}
+
+/// A release build has no fault injection: nothing makes it abort on request.
+#[cfg(not(feature = "fault-injection"))]
+fn crash_hook() -> Result<Option<BoundaryHook>, String> {
+    Ok(None)
 }
 
 fn query(

@@ -26,6 +26,9 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 /// deadlines a scenario sets are added to it.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The daemon built with the `fault-injection` feature, for the crash scenarios only.
+const FAULT_INJECTION_BINARY: &str = "rdmamig-fault-injection";
+
 /// How the VM is moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -256,8 +259,10 @@ impl Daemon {
     }
 
     /// Starts `rdmamig daemon` like [`Daemon::start`], told to abort once it has journaled
-    /// the phase `crash_at` (`RDMAMIG_CRASH_AT`: a migrator killed at that boundary). A
-    /// daemon started again in `dir` finds the journal and the same state.
+    /// the phase `crash_at` (`RDMAMIG_CRASH_AT`: a migrator killed at that boundary). It
+    /// runs the build with fault injection, `rdmamig-fault-injection` (scripts/test.sh
+    /// makes it); the release `rdmamig` has none. A daemon started again in `dir` finds the
+    /// journal and the same state.
     pub fn start_crashing(dir: &Path, crash_at: &str) -> Result<Daemon, ScenarioError> {
         Daemon::spawn(dir, "rdmamig", None, Some(crash_at))
     }
@@ -279,7 +284,11 @@ impl Daemon {
                 program: "rdmamig daemon".into(),
                 source,
             })?;
-        let mut command = Command::new(crate::bin_dir().join("rdmamig"));
+        let binary = match crash_at {
+            Some(_) => FAULT_INJECTION_BINARY,
+            None => "rdmamig",
+        };
+        let mut command = Command::new(crate::bin_dir().join(binary));
         command
             .args(["daemon", "--socket"])
             .arg(&socket)
@@ -296,7 +305,14 @@ impl Daemon {
             command.env("RDMAMIG_CRASH_AT", phase);
         }
         let child = command.spawn().map_err(|source| ScenarioError::Spawn {
-            program: "rdmamig daemon".into(),
+            program: match crash_at {
+                Some(_) => format!(
+                    "{FAULT_INJECTION_BINARY} daemon (scripts/test.sh builds it: \
+                     `cargo build --release -p rdmamig-migrator --features fault-injection`, \
+                     then target/release/rdmamig copied to {FAULT_INJECTION_BINARY})"
+                ),
+                None => "rdmamig daemon".into(),
+            },
             source,
         })?;
         let daemon = Daemon { child, socket };
