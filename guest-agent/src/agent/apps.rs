@@ -14,11 +14,16 @@
 //! - a `Hello` is believed only for the process that sends it: the pid it names must be
 //!   the connecting process's, as the kernel tells it (SO_PEERCRED); another is refused;
 //! - a connection has [`HELLO_TIMEOUT`] to say `Hello`, and at most
-//!   [`MAX_UNREGISTERED`] connections may be waiting to, so that silent connections
-//!   cannot take the agent's threads or descriptors.
+//!   [`MAX_UNREGISTERED`] accepted connections may be waiting to, so that silent
+//!   connections cannot take the agent's descriptors; further ones wait in the socket's
+//!   backlog until one of those has spoken or timed out (a burst of applications starting
+//!   at once is served, not refused);
+//! - one thread serves every connection ([`Server`]), so that no number of them costs a
+//!   thread each.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -28,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
@@ -94,7 +100,8 @@ impl Default for SocketAccess {
 /// How long a new connection has to say `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Largest number of connections waiting to say `Hello`; more are refused at once.
+/// Largest number of accepted connections waiting to say `Hello`; more are not accepted
+/// until one of them has said it or timed out.
 pub const MAX_UNREGISTERED: usize = 32;
 
 /// Why one application did not answer a request.
@@ -136,7 +143,7 @@ struct App {
 #[derive(Clone, Default)]
 pub struct Apps {
     apps: Arc<Mutex<HashMap<u64, Arc<App>>>>,
-    /// Connections accepted that have not said `Hello` yet.
+    /// Connections accepted that have not said `Hello` yet (kept by the [`Server`]).
     unregistered: Arc<AtomicUsize>,
     next_app: Arc<AtomicU64>,
     next_request: Arc<AtomicU64>,
@@ -152,8 +159,8 @@ impl Apps {
         Self::default()
     }
 
-    /// Binds `path` (replacing a stale socket) with `access`, and serves registrations on a
-    /// thread.
+    /// Binds `path` (replacing a stale socket) with `access`, and serves it on one thread
+    /// ([`Server`]).
     pub fn listen(&self, path: &Path, access: SocketAccess) -> Result<(), AppsError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| AppsError::CreateDir {
@@ -162,10 +169,12 @@ impl Apps {
             })?;
         }
         let _ = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path).map_err(|source| AppsError::Bind {
+        let bind_error = |source| AppsError::Bind {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let listener = UnixListener::bind(path).map_err(bind_error)?;
+        listener.set_nonblocking(true).map_err(bind_error)?;
         let restrict = std::os::unix::fs::chown(path, None, access.group).and_then(|()| {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
         });
@@ -174,117 +183,74 @@ impl Apps {
             mode: access.mode,
             source,
         })?;
-        let apps = self.clone();
+        let server = Server {
+            apps: self.clone(),
+            listener,
+            clients: Vec::new(),
+        };
         thread::Builder::new()
-            .name("apps-listener".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    match stream {
-                        Ok(stream) => apps.admit(stream),
-                        Err(e) => warn!("accepting an application failed: {e}"),
-                    }
-                }
-            })
+            .name("apps-socket".into())
+            .spawn(move || server.run())
             .expect("spawning a thread");
         Ok(())
     }
 
-    /// Takes a new application connection and starts reading it, unless too many are
-    /// registered or waiting to.
-    fn admit(&self, stream: UnixStream) {
-        if self.apps.lock().unwrap().len() >= MAX_APPS {
-            warn!("refusing an application: {MAX_APPS} already registered");
-            return;
-        }
-        if self.unregistered.fetch_add(1, Ordering::AcqRel) >= MAX_UNREGISTERED {
-            self.unregistered.fetch_sub(1, Ordering::AcqRel);
-            warn!("refusing a connection: {MAX_UNREGISTERED} are waiting to say Hello");
-            return;
-        }
-        if let Err(e) = stream.set_read_timeout(Some(HELLO_TIMEOUT)) {
-            self.unregistered.fetch_sub(1, Ordering::AcqRel);
-            warn!("refusing a connection: cannot bound its wait for Hello: {e}");
-            return;
-        }
-        let apps = self.clone();
-        thread::spawn(move || {
-            let mut waiting = Waiting(Some(apps.unregistered.clone()));
-            apps.serve_app(stream, &mut waiting);
-        });
-    }
-
-    /// Reads one application's messages until it disconnects; `waiting` counts it among
-    /// the unregistered until its `Hello` is accepted.
-    fn serve_app(&self, mut stream: UnixStream, waiting: &mut Waiting) {
-        let Ok(writer) = stream.try_clone() else {
-            return;
-        };
-        let mut frames = FrameBuffer::new();
-        let mut chunk = [0u8; 4096];
-        let mut app: Option<(u64, Arc<App>)> = None;
-        loop {
-            let n = match stream.read(&mut chunk) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            frames.push(&chunk[..n]);
-            loop {
-                let message = match frames.pop() {
-                    Ok(frame) => frame.decode::<AppToAgent>(),
-                    Err(FrameError::Incomplete { .. }) => break,
-                    Err(e) => Err(e),
+    /// Acts on one message of a connection: registers it, hands a reply to its waiter, or
+    /// refuses what is unusable.
+    fn on_message(&self, client: &mut Client, message: Result<AppToAgent, FrameError>) -> Keep {
+        match message {
+            Ok(AppToAgent::Hello { pid, program }) if client.app.is_none() => {
+                if let Err(refused) = check_sender(&client.stream, pid) {
+                    warn!(pid, "Hello refused: {refused}");
+                    refuse(&client.stream, &None, refused.to_string());
+                    return Keep::Close;
+                }
+                let Ok(writer) = client.stream.try_clone() else {
+                    return Keep::Close;
                 };
-                match message {
-                    Ok(AppToAgent::Hello { pid, program }) if app.is_none() => {
-                        if let Err(refused) = check_sender(&stream, pid) {
-                            warn!(pid, "Hello refused: {refused}");
-                            refuse(&writer, &app, refused.to_string());
-                            return;
-                        }
-                        // Registered: no longer bounded as a silent connection.
-                        if stream.set_read_timeout(None).is_err() {
-                            return;
-                        }
-                        waiting.registered();
-                        let key = self.next_app.fetch_add(1, Ordering::Relaxed);
-                        let entry = Arc::new(App {
-                            pid,
-                            program,
-                            writer: Mutex::new(writer.try_clone().expect("cloning a socket")),
-                            pending: Mutex::new(HashMap::new()),
-                            last_described: Mutex::new(Vec::new()),
-                        });
-                        info!(pid, program = %entry.program, "application registered");
-                        self.apps.lock().unwrap().insert(key, entry.clone());
-                        app = Some((key, entry));
-                    }
-                    Ok(AppToAgent::Reply { request, body }) => {
-                        let waiter = app
-                            .as_ref()
-                            .and_then(|(_, a)| a.pending.lock().unwrap().remove(&request));
-                        match waiter {
-                            Some(tx) => drop(tx.send(body)),
-                            None => debug!(request, "reply to no pending request (late?)"),
-                        }
-                    }
-                    Ok(AppToAgent::Hello { .. }) => {
-                        warn!("second Hello on one socket refused");
-                        refuse(&writer, &app, "a second Hello on one socket".into());
-                    }
-                    Err(e) if e.is_recoverable() => {
-                        warn!("bad message from an application: {e}");
-                        refuse(&writer, &app, e.to_string());
-                    }
-                    Err(e) => {
-                        warn!("dropping an application whose stream is corrupt: {e}");
-                        refuse(&writer, &app, e.to_string());
-                        self.forget(&app);
-                        return;
-                    }
+                let key = self.next_app.fetch_add(1, Ordering::Relaxed);
+                let entry = Arc::new(App {
+                    pid,
+                    program,
+                    writer: Mutex::new(writer),
+                    pending: Mutex::new(HashMap::new()),
+                    last_described: Mutex::new(Vec::new()),
+                });
+                info!(pid, program = %entry.program, "application registered");
+                self.apps.lock().unwrap().insert(key, entry.clone());
+                client.app = Some((key, entry));
+                // Registered: no longer bounded as a silent connection.
+                client.hello_by = None;
+            }
+            Ok(AppToAgent::Reply { request, body }) => {
+                let waiter = client
+                    .app
+                    .as_ref()
+                    .and_then(|(_, a)| a.pending.lock().unwrap().remove(&request));
+                match waiter {
+                    Some(tx) => drop(tx.send(body)),
+                    None => debug!(request, "reply to no pending request (late?)"),
                 }
             }
+            Ok(AppToAgent::Hello { .. }) => {
+                warn!("second Hello on one socket refused");
+                refuse(
+                    &client.stream,
+                    &client.app,
+                    "a second Hello on one socket".into(),
+                );
+            }
+            Err(e) if e.is_recoverable() => {
+                warn!("bad message from an application: {e}");
+                refuse(&client.stream, &client.app, e.to_string());
+            }
+            Err(e) => {
+                warn!("dropping an application whose stream is corrupt: {e}");
+                refuse(&client.stream, &client.app, e.to_string());
+                return Keep::Close;
+            }
         }
-        self.forget(&app);
+        Keep::Open
     }
 
     fn forget(&self, app: &Option<(u64, Arc<App>)>) {
@@ -386,21 +352,183 @@ impl Apps {
     }
 }
 
-/// Counts a connection among those waiting to say `Hello` until it registers or ends.
-struct Waiting(Option<Arc<AtomicUsize>>);
-
-impl Waiting {
-    /// The connection said `Hello`: it no longer counts.
-    fn registered(&mut self) {
-        if let Some(count) = self.0.take() {
-            count.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
+/// The application socket's one thread. It accepts connections and reads all of them,
+/// waiting on every descriptor at once (poll), so that neither a registered process nor a
+/// silent connection costs the agent a thread. Requests to a registered process are written
+/// by the thread that makes them ([`Apps::request`]); only reading happens here.
+struct Server {
+    apps: Apps,
+    listener: UnixListener,
+    clients: Vec<Client>,
 }
 
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.registered();
+/// One connection to the application socket.
+struct Client {
+    stream: UnixStream,
+    frames: FrameBuffer,
+    /// Until its `Hello` is accepted: when it must have said it by.
+    hello_by: Option<Instant>,
+    /// Once registered: its key and entry.
+    app: Option<(u64, Arc<App>)>,
+}
+
+/// Whether a connection stays open after what it sent.
+#[derive(Debug, PartialEq, Eq)]
+enum Keep {
+    Open,
+    Close,
+}
+
+/// Bound of a write to an application (a request, or a refusal). One that does not read
+/// cannot stall the agent: the write fails and the process counts as gone.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+impl Server {
+    fn run(mut self) {
+        loop {
+            self.close_silent(Instant::now());
+            self.publish_unregistered();
+            let (listener_ready, ready) = match self.wait() {
+                Ok(ready) => ready,
+                Err(e) => {
+                    warn!("waiting on the application socket failed: {e}");
+                    thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            // Readable connections first (by index, before new ones are appended).
+            let mut closed = Vec::new();
+            for index in ready {
+                if self.read(index) == Keep::Close {
+                    closed.push(index);
+                }
+            }
+            for index in closed.into_iter().rev() {
+                let client = self.clients.swap_remove(index);
+                self.apps.forget(&client.app);
+            }
+            if listener_ready {
+                self.accept_all();
+            }
+        }
+    }
+
+    /// Waits until the listener or a connection is readable, or the next `Hello` is due;
+    /// returns whether the listener is, and the indexes of the connections that are. The
+    /// listener is left out while [`MAX_UNREGISTERED`] connections wait to say `Hello`.
+    fn wait(&self) -> nix::Result<(bool, Vec<usize>)> {
+        let mut fds = Vec::with_capacity(self.clients.len() + 1);
+        let listen = if self.unregistered() < MAX_UNREGISTERED {
+            PollFlags::POLLIN
+        } else {
+            PollFlags::empty()
+        };
+        fds.push(PollFd::new(self.listener.as_fd(), listen));
+        fds.extend(
+            self.clients
+                .iter()
+                .map(|c| PollFd::new(c.stream.as_fd(), PollFlags::POLLIN)),
+        );
+        let timeout = match self.clients.iter().filter_map(|c| c.hello_by).min() {
+            // Rounded up, so that the wake-up is never before the time.
+            Some(due) => {
+                let ms = due.saturating_duration_since(Instant::now()).as_millis() + 1;
+                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+            }
+            None => PollTimeout::NONE,
+        };
+        match poll(&mut fds, timeout) {
+            Ok(_) => {}
+            Err(nix::Error::EINTR) => return Ok((false, Vec::new())),
+            Err(e) => return Err(e),
+        }
+        let readable = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
+        let ready = fds[1..]
+            .iter()
+            .enumerate()
+            .filter(|(_, fd)| readable(fd))
+            .map(|(index, _)| index)
+            .collect();
+        Ok((readable(&fds[0]), ready))
+    }
+
+    /// Accepts waiting connections while fewer than [`MAX_UNREGISTERED`] wait to say
+    /// `Hello`; the rest stay in the socket's backlog.
+    fn accept_all(&mut self) {
+        while self.unregistered() < MAX_UNREGISTERED {
+            match self.listener.accept() {
+                Ok((stream, _)) => self.admit(stream),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    warn!("accepting an application failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn admit(&mut self, stream: UnixStream) {
+        if self.apps.apps.lock().unwrap().len() >= MAX_APPS {
+            warn!("refusing an application: {MAX_APPS} already registered");
+            return;
+        }
+        if let Err(e) = stream.set_write_timeout(Some(WRITE_TIMEOUT)) {
+            warn!("refusing a connection: cannot bound writes to it: {e}");
+            return;
+        }
+        self.clients.push(Client {
+            stream,
+            frames: FrameBuffer::new(),
+            hello_by: Some(Instant::now() + HELLO_TIMEOUT),
+            app: None,
+        });
+    }
+
+    /// Closes the connections that have not said `Hello` in time.
+    fn close_silent(&mut self, now: Instant) {
+        self.clients.retain(|c| match c.hello_by {
+            Some(due) if due <= now => {
+                info!("closing a connection that did not say Hello within {HELLO_TIMEOUT:?}");
+                false
+            }
+            _ => true,
+        });
+    }
+
+    fn unregistered(&self) -> usize {
+        self.clients.iter().filter(|c| c.app.is_none()).count()
+    }
+
+    /// Makes the number of connections waiting to say `Hello` visible outside this thread.
+    fn publish_unregistered(&self) {
+        self.apps
+            .unregistered
+            .store(self.unregistered(), Ordering::Release);
+    }
+
+    /// Reads what one readable connection sent (one read: poll said it will not block) and
+    /// acts on each whole message.
+    fn read(&mut self, index: usize) -> Keep {
+        let client = &mut self.clients[index];
+        let mut chunk = [0u8; 4096];
+        let n = match (&client.stream).read(&mut chunk) {
+            Ok(0) => return Keep::Close,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => return Keep::Open,
+            Err(_) => return Keep::Close,
+        };
+        client.frames.push(&chunk[..n]);
+        loop {
+            let message = match client.frames.pop() {
+                Ok(frame) => frame.decode::<AppToAgent>(),
+                Err(FrameError::Incomplete { .. }) => return Keep::Open,
+                Err(e) => Err(e),
+            };
+            if self.apps.on_message(client, message) == Keep::Close {
+                return Keep::Close;
+            }
+        }
     }
 }
 
@@ -693,16 +821,21 @@ mod tests {
         while apps.unregistered.load(Ordering::Acquire) < MAX_UNREGISTERED && Instant::now() < end {
             thread::sleep(Duration::from_millis(5));
         }
-        let mut one_too_many = UnixStream::connect(&path).unwrap();
-        one_too_many
-            .set_read_timeout(Some(Duration::from_secs(2)))
+        // One more waits in the backlog, unserved, while they hold every place.
+        let mut one_more = UnixStream::connect(&path).unwrap();
+        one_more
+            .write_all(&Frame::encode(&AppToAgent::Hello {
+                pid: std::process::id(),
+                program: "late".into(),
+            }))
             .unwrap();
-        let mut byte = [0u8; 1];
+        thread::sleep(Duration::from_millis(500));
         assert_eq!(
-            one_too_many.read(&mut byte).unwrap(),
-            0,
-            "a connection past the bound was not closed at once"
+            apps.snapshot().len(),
+            1,
+            "a connection past the bound was served while the silent ones waited"
         );
+        let mut byte = [0u8; 1];
         // The silent ones are closed once their time to say Hello is up.
         let started = Instant::now();
         for mut stream in silent {
@@ -717,7 +850,54 @@ mod tests {
             thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(apps.unregistered.load(Ordering::Acquire), 0);
-        // The registered application is still served.
-        assert_eq!(apps.snapshot().len(), 1);
+        // The one that waited is served once they are gone; the first is still served.
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.snapshot().len() < 2 && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            apps.snapshot().len(),
+            2,
+            "the waiting Hello was never served"
+        );
+        drop(one_more);
+    }
+
+    /// The threads of this process (every test's, since they share it).
+    fn threads() -> usize {
+        std::fs::read_dir("/proc/self/task").unwrap().count()
+    }
+
+    #[test]
+    fn connections_cost_no_thread_each() {
+        let (apps, dir) = registry_with(|_| None);
+        let path = dir.path().join("agent.sock");
+        let before = threads();
+        // Registered processes that never read, and silent connections: no client thread.
+        let registered: Vec<UnixStream> = (0..100)
+            .map(|_| {
+                let mut s = UnixStream::connect(&path).unwrap();
+                s.write_all(&Frame::encode(&AppToAgent::Hello {
+                    pid: std::process::id(),
+                    program: "many".into(),
+                }))
+                .unwrap();
+                s
+            })
+            .collect();
+        let end = Instant::now() + Duration::from_secs(5);
+        while apps.snapshot().len() < 101 && Instant::now() < end {
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(apps.snapshot().len(), 101);
+        let silent: Vec<UnixStream> = (0..MAX_UNREGISTERED)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        thread::sleep(Duration::from_millis(200));
+        // Other tests run threads in this process meanwhile: a thread per connection would
+        // be 132 more, far above what they start.
+        let added = threads().saturating_sub(before);
+        assert!(added < 32, "{added} threads for 132 connections");
+        drop((registered, silent));
     }
 }
