@@ -36,7 +36,8 @@ use crate::tree::{Tree, TreeError};
 /// Kernel modules every test-bed image loads, in this order. crc32_generic is a soft
 /// dependency of rdma_rxe that modules.dep does not list (without it `rdma link add` fails).
 /// e1000e comes before virtio_net so that an RDMA NIC that is an e1000e is named before the
-/// permanent virtio-net NIC: `eth0`, as a virtio-net RDMA NIC is.
+/// permanent virtio-net NIC: `eth0`, as a virtio-net RDMA NIC is. vsock_loopback lets a
+/// guest process dial the agent's vsock port itself, which the agent must refuse.
 pub const DEFAULT_MODULES: &[&str] = &[
     "e1000e",
     "virtio_pci",
@@ -47,6 +48,7 @@ pub const DEFAULT_MODULES: &[&str] = &[
     "rdma_rxe",
     "crc32_generic",
     "vmw_vsock_virtio_transport",
+    "vsock_loopback",
 ];
 
 /// Host programs copied into every image (with their libraries), found in [`TOOL_DIRS`].

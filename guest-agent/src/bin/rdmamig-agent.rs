@@ -1,6 +1,7 @@
 //! `rdmamig-agent`: the rdmamig guest agent daemon.
 
 use rdmamig_proto::text::error_chain;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -83,6 +84,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let args = Args::parse();
     if let Err(e) = set_niceness(args.nice) {

@@ -1,6 +1,7 @@
 //! rdmamig-traffic: numbered messages both ways over a migratable (or plain) RDMA
 //! connection, with a JSON report of loss, duplicates and the largest delivery gap.
 
+use std::io::IsTerminal;
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixListener;
@@ -83,8 +84,9 @@ enum Cmd {
     /// Send bad input to the agent's application socket, each on a new connection: a frame
     /// whose payload is not a message, a frame header announcing an oversized payload, and
     /// bytes that are not a frame at all; with --impersonate, also a Hello that names
-    /// another process's PID. Prints, as JSON, how the agent answered each and whether it
-    /// then closed that socket.
+    /// another process's PID; with --vsock-port, also a request to release the RDMA device
+    /// sent to the agent's host channel from inside the guest (vsock loopback, CID 1).
+    /// Prints, as JSON, how the agent answered each and whether it then closed that socket.
     ProbeAgent {
         /// The agent's application socket.
         #[arg(long, default_value = rdmamig_proto::app::DEFAULT_AGENT_SOCKET)]
@@ -92,6 +94,15 @@ enum Cmd {
         /// Also say Hello as this process (a library user's PID), which is not this one.
         #[arg(long, value_name = "PID")]
         impersonate: Option<u32>,
+        /// Also dial the agent's host channel on this vsock port over loopback and ask it to
+        /// release the device (needs the vsock_loopback module in the guest).
+        #[arg(long, value_name = "PORT")]
+        vsock_port: Option<u32>,
+        /// Dial the host channel as this user id (and group id): an unprivileged process.
+        /// The application-socket probes run first, as the caller (the socket is open
+        /// only to the agent's group).
+        #[arg(long, value_name = "UID", requires = "vsock_port")]
+        vsock_uid: Option<u32>,
     },
     /// A slow application, for the test bed: register with the agent like the library does,
     /// answer Describe and Resume for no connections, and on a Quiesce create --marker and
@@ -212,6 +223,7 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("RDMAMIG_LOG"))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let code = match cli.cmd {
@@ -230,7 +242,9 @@ fn main() {
         Cmd::ProbeAgent {
             socket,
             impersonate,
-        } => match probe_agent(&socket, impersonate) {
+            vsock_port,
+            vsock_uid,
+        } => match probe_agent(&socket, impersonate, vsock_port, vsock_uid) {
             Ok(json) => {
                 println!("{json}");
                 0
@@ -432,8 +446,81 @@ fn ctl_inner(
     .to_string())
 }
 
+/// Becomes user and group `uid`, if given, for good.
+fn drop_to(uid: Option<u32>) -> Result<(), ToolError> {
+    if let Some(id) = uid {
+        nix::unistd::setgroups(&[]).map_err(ToolError::DropPrivileges)?;
+        nix::unistd::setgid(nix::unistd::Gid::from_raw(id)).map_err(ToolError::DropPrivileges)?;
+        nix::unistd::setuid(nix::unistd::Uid::from_raw(id)).map_err(ToolError::DropPrivileges)?;
+    }
+    Ok(())
+}
+
+/// Dials the agent's host channel from inside the guest (vsock loopback) and asks it to
+/// release the device, as only the host may; returns its answer, if any, and whether it
+/// closed the stream.
+fn probe_vsock_loopback(port: u32) -> Result<serde_json::Value, ToolError> {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, VsockAddr};
+    let fd = socket(
+        AddressFamily::Vsock,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(ToolError::Vsock)?;
+    connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &VsockAddr::new(libc::VMADDR_CID_LOCAL, port),
+    )
+    .map_err(ToolError::Vsock)?;
+    let mut stream = std::fs::File::from(fd);
+    let request = rdmamig_proto::agent::AgentRequest {
+        id: 1,
+        command: rdmamig_proto::agent::AgentCommand::ReleaseDevice {
+            grace_ms: 0,
+            deadline_ms: 1_000,
+            scope: rdmamig_proto::agent::ReleaseScope::AllHolders,
+        },
+    };
+    // The agent may close before the request is written: that is its answer too.
+    let _ = stream.write_all(&Frame::encode(&request));
+    let mut received = Vec::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(stream.read_to_end(&mut received).map(|_| received));
+    });
+    let (closed, received) = match rx.recv_timeout(Duration::from_secs(5)) {
+        Ok(Ok(received)) => (true, received),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => (true, Vec::new()),
+        Ok(Err(e)) => {
+            return Err(ToolError::Probe {
+                name: "vsock_loopback",
+                source: e,
+            })
+        }
+        Err(_) => (false, Vec::new()),
+    };
+    let mut fb = FrameBuffer::new();
+    fb.push(&received);
+    let answer = fb.pop().ok().map(|frame| {
+        frame
+            .decode::<rdmamig_proto::agent::AgentResponse>()
+            .map_err(|e| e.to_string())
+    });
+    Ok(serde_json::json!({
+        "probe": "vsock_loopback",
+        "answer": answer.unwrap_or_else(|| Err("no answer".into())),
+        "closed": closed,
+    }))
+}
+
 /// See `Cmd::ProbeAgent`.
-fn probe_agent(socket: &std::path::Path, impersonate: Option<u32>) -> Result<String, ToolError> {
+fn probe_agent(
+    socket: &std::path::Path,
+    impersonate: Option<u32>,
+    vsock_port: Option<u32>,
+    vsock_uid: Option<u32>,
+) -> Result<String, ToolError> {
     let header = |len: u32| {
         let mut b = rdmamig_proto::frame::MAGIC.to_vec();
         b.push(rdmamig_proto::PROTOCOL_VERSION);
@@ -476,6 +563,10 @@ fn probe_agent(socket: &std::path::Path, impersonate: Option<u32>) -> Result<Str
             "answer": answer.map_err(|e| format!("no answer: {}", error_chain(&e))),
             "closed": closed,
         }));
+    }
+    if let Some(port) = vsock_port {
+        drop_to(vsock_uid)?;
+        results.push(probe_vsock_loopback(port)?);
     }
     Ok(serde_json::Value::Array(results).to_string())
 }
@@ -606,6 +697,12 @@ enum ToolError {
         /// The agent's reason.
         reason: String,
     },
+    /// Becoming the user asked for (`--vsock-uid`) failed.
+    #[error("dropping privileges")]
+    DropPrivileges(#[source] nix::Error),
+    /// Dialing the agent over vsock loopback failed (is vsock_loopback loaded?).
+    #[error("dialing the agent over vsock loopback")]
+    Vsock(#[source] nix::Error),
 }
 
 struct Cleanup(PathBuf);
