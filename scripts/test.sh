@@ -22,5 +22,18 @@ cargo clippy --release -p rdmamig-testbed --test gold -- -D warnings
 echo "==> unit, property and component tests"
 cargo test --release --workspace --exclude rdmamig-testbed
 
+# The crash scenarios need a daemon that aborts at a named phase; only a build with the
+# fault-injection feature can, and it is kept apart as rdmamig-fault-injection. The migrator's
+# own tests above built target/release/rdmamig with that feature, so the release build is
+# put back for every other scenario.
+echo "==> the test bed's daemons: the release build, and one with fault injection"
+cargo build --release -p rdmamig-migrator --bin rdmamig --features fault-injection
+cp target/release/rdmamig target/release/rdmamig-fault-injection
+cargo build --release --workspace --bins
+
+# Every decoder of untrusted bytes, fuzzed for a bounded time; a crash fails the run.
+echo "==> fuzzing (30 s per target)"
+scripts/fuzz.sh 30
+
 echo "==> test-bed scenarios (one at a time: each runs several TCG guests)"
 cargo test --release -p rdmamig-testbed -- --test-threads=1

@@ -387,15 +387,14 @@ unsafe impl rdmamig_verbs::OwnsFd for Bridge {}
 /// bytes they took (a partial frame stays for the next read). A payload above
 /// `max_payload` is refused from its header, before it is buffered; a malformed header, or
 /// a kind other than DATA and ACK, is refused too.
-fn take_frames(
+pub(crate) fn take_frames(
     buf: &[u8],
     max_payload: usize,
     on_frame: &mut impl FnMut(Header, &[u8]) -> Result<(), FrameError>,
 ) -> Result<usize, FrameError> {
     let mut used = 0;
-    while buf.len() - used >= HEADER_LEN {
+    while let Some(len) = Header::announced_len(&buf[used..]) {
         let rest = &buf[used..];
-        let len = u32::from_be_bytes([rest[4], rest[5], rest[6], rest[7]]) as usize;
         if len > max_payload {
             return Err(FrameError::TooLarge {
                 len,

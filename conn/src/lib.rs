@@ -104,6 +104,24 @@ mod shared;
 pub mod wire;
 pub(crate) mod worker;
 
+/// Entry points for the fuzz targets (`fuzz/`) into decoders that are otherwise private;
+/// only in fuzzing builds (cargo-fuzz passes `--cfg fuzzing`).
+#[cfg(fuzzing)]
+pub mod fuzzing {
+    use crate::bridge::{take_frames, FrameError};
+    use crate::wire::Header;
+
+    /// Splits bytes received on a bridge into frames as a bridge does, handing each to
+    /// `on_frame`; returns the bytes the whole frames took.
+    pub fn bridge_frames(
+        received: &[u8],
+        max_payload: usize,
+        mut on_frame: impl FnMut(Header, &[u8]) -> Result<(), FrameError>,
+    ) -> Result<usize, FrameError> {
+        take_frames(received, max_payload, &mut on_frame)
+    }
+}
+
 pub use asynchronous::{AsyncConnection, AsyncListener};
 pub use bridge::{BridgeError, FrameError};
 pub use connection::Connection;

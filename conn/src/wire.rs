@@ -138,6 +138,15 @@ impl Header {
         out[24..32].copy_from_slice(&self.credits.to_be_bytes());
     }
 
+    /// The payload length a message's header announces, read from the first
+    /// [`HEADER_LEN`] bytes of `buf` (`None` while fewer have arrived): how a stream of
+    /// messages is split before any is checked.
+    pub fn announced_len(buf: &[u8]) -> Option<usize> {
+        let len = buf.get(4..8)?;
+        (buf.len() >= HEADER_LEN)
+            .then(|| u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize)
+    }
+
     /// Checks that `buf` holds exactly one whole, well-formed message; returns its header.
     pub fn check(buf: &[u8]) -> Result<Header, WireError> {
         if buf.len() < HEADER_LEN {
@@ -351,6 +360,9 @@ const ACCEPT_LEN: usize = 4 + 8 + 8 + 2;
 const REJECT_LEN: usize = 4 + 8 + 1;
 
 impl PrivateData {
+    /// The bytes every record opens with (a capture finds records by them).
+    pub const MAGIC: [u8; 2] = PD_MAGIC;
+
     /// Encodes the record (at most [`MAX_CONNECT_PRIVATE_DATA`] bytes).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HELLO_LEN);
