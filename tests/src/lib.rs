@@ -15,6 +15,9 @@
 //! - [`pki`]: a CA and certificates for daemons that talk over mutual TLS.
 //! - [`scenario`]: the move scenario the demo and the end-to-end tests run.
 //! - [`steps`]: steps the connection tests share (traffic, agent control, NIC swaps).
+//! - [`tap`]: a recording tap on a UNIX socket, and [`capture`]: a packet capture in the
+//!   namespace (what really crossed the channels: checks, and the fuzz targets' seeds,
+//!   kept by [`corpus`]).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -29,8 +32,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod capture;
 pub mod ch_spec;
 pub mod console;
+pub mod corpus;
 pub mod guest;
 pub mod kernel_log;
 pub mod nested;
@@ -39,6 +44,7 @@ pub mod pki;
 pub mod qmp;
 pub mod scenario;
 pub mod steps;
+pub mod tap;
 pub mod testbed;
 
 /// An error and its causes on one line, for test failure messages.

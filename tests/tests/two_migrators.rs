@@ -36,9 +36,12 @@ use serde_json::Value;
 
 const TAG: &str = "flow";
 
+/// Writes daemon `name`'s config; with `RDMAMIG_RECORD_CORPUS=<dir>` it is also kept there
+/// as a seed of the `config` fuzz target.
 fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
+    rdmamig_testbed::corpus::keep("config", name, &[text.as_bytes().to_vec()]).unwrap();
     path
 }
 
