@@ -16,6 +16,7 @@ fi
 # What each package is for:
 #   ca-certificates     HTTPS to crates.io (cargo) and to apt mirrors
 #   gcc libc6-dev       the linker rustc calls, and the C that ring and rdma-sys build
+#   g++                 libFuzzer's C++, which the fuzz targets link (scripts/fuzz.sh)
 #   linux-image-amd64   the guest kernel with Soft-RoCE (rdma_rxe), rdma_cm and uverbs
 #   xz-utils            takes the ELF kernel out of its XZ bzImage, for QEMU's fast PVH boot
 #   busybox-static      the guest initramfs userland
@@ -25,7 +26,7 @@ fi
 #                       ibv_devinfo, rping, ib_send_* in the guest for checks and baselines
 #   libclang-dev pkg-config   bindgen for rdma-sys
 #   iproute2            ip/rdma, network namespaces, bridge and taps
-packages=(ca-certificates gcc libc6-dev linux-image-amd64 xz-utils busybox-static rdma-core ibverbs-providers
+packages=(ca-certificates gcc g++ libc6-dev linux-image-amd64 xz-utils busybox-static rdma-core ibverbs-providers
   ibverbs-utils rdmacm-utils perftest libibverbs-dev librdmacm-dev libclang-dev pkg-config
   iproute2)
 
