@@ -46,8 +46,10 @@ impl Backends for VmmBackends {
                 vsock,
                 agent_port,
                 log_file,
+                tls_dir,
             } => {
                 let mut config = ChConfig::new(api_socket);
+                config.tls_dir.clone_from(tls_dir);
                 config.event_monitor.clone_from(event_monitor);
                 config.log_file.clone_from(log_file);
                 config.vsock.clone_from(vsock);

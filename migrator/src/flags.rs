@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::Args;
 use rdmamig_vmm::cloud_hypervisor::DEFAULT_AGENT_PORT;
-use rdmamig_vmm::{DeviceSpec, MigrationLimits, TimeoutStrategy};
+use rdmamig_vmm::{DeviceSpec, MigrationLimits, TimeoutStrategy, MAX_MIGRATION_CONNECTIONS};
+
+use crate::ch_remote::SendMigration;
 
 use crate::plan::{
     Deadlines, Endpoint, EndpointFlags, MigrationBy, MovePlan, PlanError, Strategy, UnmanagedPolicy,
@@ -41,6 +43,11 @@ pub struct VmmFlags {
     /// migration-failed event carries none): the failure quotes the log's end.
     #[arg(long, global = true)]
     pub log_file: Option<PathBuf>,
+    /// Cloud Hypervisor: mutual TLS for the migration stream (tcp: only), the folder with
+    /// ca-cert.pem, client-cert.pem and client-key.pem (ch-remote's tls_dir=); the
+    /// destination then needs --to-tls-dir.
+    #[arg(long, global = true)]
+    pub tls_dir: Option<PathBuf>,
     /// Cloud Hypervisor: the guest agent's vsock port (both ends).
     #[arg(long, global = true, default_value_t = DEFAULT_AGENT_PORT)]
     pub agent_port: u32,
@@ -57,6 +64,7 @@ impl VmmFlags {
             event_monitor: self.event_monitor.clone(),
             agent_port: self.agent_port,
             log_file: self.log_file.clone(),
+            tls_dir: self.tls_dir.clone(),
         }
         .endpoint(side)
     }
@@ -81,6 +89,10 @@ pub struct DestinationFlags {
     /// strategy but naive.
     #[arg(long)]
     pub to_vsock: Option<PathBuf>,
+    /// Cloud Hypervisor destination: its TLS folder for receiving the migration stream
+    /// (ca-cert.pem, server-cert.pem, server-key.pem); needed when the source has --tls-dir.
+    #[arg(long)]
+    pub to_tls_dir: Option<PathBuf>,
 }
 
 impl DestinationFlags {
@@ -94,6 +106,7 @@ impl DestinationFlags {
             event_monitor: None,
             agent_port,
             log_file: None,
+            tls_dir: self.to_tls_dir.clone(),
         }
         .endpoint("destination")
     }
@@ -111,14 +124,18 @@ pub struct LimitFlags {
     /// (--deadline migrate=MS).
     #[arg(long)]
     pub migration_timeout_s: Option<u64>,
-    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back)
-    /// or ignore (finish whatever the downtime).
-    #[arg(long, default_value_t = TimeoutStrategy::Cancel)]
-    pub timeout_strategy: TimeoutStrategy,
+    /// At the migration timeout: cancel (the VM stays on the source, the move rolls back;
+    /// the default) or ignore (finish whatever the downtime).
+    #[arg(long)]
+    pub timeout_strategy: Option<TimeoutStrategy>,
     /// Cloud Hypervisor: same-host migration, memory handed over as file descriptors
-    /// (unix: URI, guest memory shared=on; ch-remote's --local). QEMU refuses it.
+    /// (unix: URI, guest memory shared=on; ch-remote's local=on). QEMU refuses it.
     #[arg(long)]
     pub local: bool,
+    /// Cloud Hypervisor (after v53): parallel TCP connections for the migration stream,
+    /// 1 to 128 (ch-remote's connections=). QEMU refuses it.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=MAX_MIGRATION_CONNECTIONS as i64))]
+    pub connections: Option<u8>,
 }
 
 impl LimitFlags {
@@ -127,9 +144,54 @@ impl LimitFlags {
         MigrationLimits {
             downtime: self.downtime_ms.map(Duration::from_millis),
             timeout: self.migration_timeout_s.map(Duration::from_secs),
-            timeout_strategy: self.timeout_strategy,
+            timeout_strategy: self.timeout_strategy.unwrap_or_default(),
             local: self.local,
+            connections: self.connections,
         }
+    }
+
+    /// Takes the bounds of ch-remote's option list (`rdmamig-vmm send-migration
+    /// destination_url=...,downtime_ms=...`); a bound also given as a flag is refused,
+    /// naming both.
+    pub fn adopt(&mut self, options: &SendMigration) -> Result<(), String> {
+        let given = |key| options.given.contains(&key);
+        let twice = |key: &str, flag: &str| {
+            Err(format!(
+                "{key} is given twice: in the option list and as --{flag}"
+            ))
+        };
+        let limits = &options.limits;
+        if given("downtime_ms") {
+            if self.downtime_ms.is_some() {
+                return twice("downtime_ms", "downtime-ms");
+            }
+            self.downtime_ms = limits.downtime.map(|d| d.as_millis() as u64);
+        }
+        if given("timeout_s") {
+            if self.migration_timeout_s.is_some() {
+                return twice("timeout_s", "migration-timeout-s");
+            }
+            self.migration_timeout_s = limits.timeout.map(|t| t.as_secs());
+        }
+        if given("timeout_strategy") {
+            if self.timeout_strategy.is_some() {
+                return twice("timeout_strategy", "timeout-strategy");
+            }
+            self.timeout_strategy = Some(limits.timeout_strategy);
+        }
+        if given("local") {
+            if self.local {
+                return twice("local", "local");
+            }
+            self.local = limits.local;
+        }
+        if given("connections") {
+            if self.connections.is_some() {
+                return twice("connections", "connections");
+            }
+            self.connections = limits.connections;
+        }
+        Ok(())
     }
 }
 
@@ -285,5 +347,53 @@ impl MoveFlags {
         };
         plan.validate()?;
         Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ch_remote::parse_send_migration;
+
+    fn no_flags() -> LimitFlags {
+        LimitFlags {
+            downtime_ms: None,
+            migration_timeout_s: None,
+            timeout_strategy: None,
+            local: false,
+            connections: None,
+        }
+    }
+
+    #[test]
+    fn ch_remote_options_become_the_limits_and_flags_add_to_them() {
+        let options =
+            parse_send_migration("destination_url=tcp:dst-host:6000,downtime_ms=200,connections=8")
+                .unwrap();
+        let mut flags = LimitFlags {
+            migration_timeout_s: Some(60),
+            ..no_flags()
+        };
+        flags.adopt(&options).unwrap();
+        let limits = flags.limits();
+        assert_eq!(limits.downtime, Some(Duration::from_millis(200)));
+        assert_eq!(limits.timeout, Some(Duration::from_secs(60)));
+        assert_eq!(limits.connections, Some(8));
+        assert_eq!(limits.timeout_strategy, TimeoutStrategy::Cancel);
+    }
+
+    #[test]
+    fn a_bound_given_as_an_option_and_as_a_flag_is_refused() {
+        let options =
+            parse_send_migration("destination_url=tcp:dst-host:6000,timeout_strategy=ignore")
+                .unwrap();
+        let mut flags = LimitFlags {
+            timeout_strategy: Some(TimeoutStrategy::Cancel),
+            ..no_flags()
+        };
+        assert_eq!(
+            flags.adopt(&options).unwrap_err(),
+            "timeout_strategy is given twice: in the option list and as --timeout-strategy"
+        );
     }
 }

@@ -34,11 +34,13 @@
 //! - [`peer`]: the destination's duties between migrators, over mutual TLS (both sides);
 //! - [`metrics`]: the daemon's Prometheus metrics;
 //! - [`cli`]: how the CLI shows progress and the final timeline;
+//! - [`ch_remote`]: ch-remote's `key=value` migration syntax, which `rdmamig-vmm` takes;
 //! - [`svg`]: the per-move SVG timeline.
 
 pub mod agent;
 pub mod api;
 pub mod backends;
+pub mod ch_remote;
 pub mod channel;
 pub mod cli;
 pub mod config;

@@ -155,6 +155,11 @@ pub enum Endpoint {
         /// carries none), quoted in the failure.
         #[serde(default)]
         log_file: Option<PathBuf>,
+        /// Mutual TLS for the migration stream (`tcp:` only): the folder with this end's
+        /// CA and certificate, a source's client one or a destination's server one
+        /// (`tls_dir` of `vm.send-migration` and `vm.receive-migration`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tls_dir: Option<PathBuf>,
     },
 }
 
@@ -194,6 +199,8 @@ pub struct EndpointFlags {
     pub agent_port: u32,
     /// Cloud Hypervisor: its log file.
     pub log_file: Option<PathBuf>,
+    /// Cloud Hypervisor: its TLS folder for the migration stream.
+    pub tls_dir: Option<PathBuf>,
 }
 
 impl EndpointFlags {
@@ -217,6 +224,12 @@ impl EndpointFlags {
                 if self.log_file.is_some() {
                     return Err(mismatch("a log file", "Cloud Hypervisor"));
                 }
+                if self.tls_dir.is_some() {
+                    return Err(mismatch(
+                        "a TLS folder",
+                        "Cloud Hypervisor (QEMU's migration TLS is a tls-creds object)",
+                    ));
+                }
                 Ok(Endpoint::Qemu {
                     qmp,
                     agent: self.agent,
@@ -235,6 +248,7 @@ impl EndpointFlags {
                     vsock: self.vsock,
                     agent_port: self.agent_port,
                     log_file: self.log_file,
+                    tls_dir: self.tls_dir,
                 })
             }
             (Some(_), Some(_)) => Err(PlanError::Flags {
@@ -446,6 +460,44 @@ impl MovePlan {
         self.reattach.as_ref().or(self.attach.as_ref())
     }
 
+    /// A migration stream is encrypted at both ends or at neither, and only over `tcp:`:
+    /// Cloud Hypervisor's sender and receiver must both have a TLS folder, or the migration
+    /// fails after the VM has been quiesced and unplugged.
+    fn validate_tls(&self) -> Result<(), PlanError> {
+        let tls = |end: Option<&Endpoint>| match end {
+            Some(Endpoint::CloudHypervisor { tls_dir, .. }) => tls_dir.is_some(),
+            _ => false,
+        };
+        let (sends, receives) = (tls(Some(&self.source)), tls(self.destination.as_ref()));
+        if !sends && !receives {
+            return Ok(());
+        }
+        let flags = |side, reason: &str| {
+            Err(PlanError::Flags {
+                side,
+                reason: reason.into(),
+            })
+        };
+        if !self.via.starts_with("tcp:") {
+            return flags("source", "a TLS folder is for tcp: migrations only");
+        }
+        if self.migration == MigrationBy::Migrator && sends != receives {
+            let (side, missing) = if sends {
+                (
+                    "destination",
+                    "the source sends over TLS: give the destination's TLS folder",
+                )
+            } else {
+                (
+                    "source",
+                    "the destination receives over TLS: give the source's TLS folder",
+                )
+            };
+            return flags(side, missing);
+        }
+        Ok(())
+    }
+
     /// Checks what can be checked before touching any VMM.
     pub fn validate(&self) -> Result<(), PlanError> {
         if self.vm.is_empty() {
@@ -487,6 +539,7 @@ impl MovePlan {
                 });
             }
         }
+        self.validate_tls()?;
         if let Some(timeout) = self.limits.timeout {
             let deadline = self.deadlines.of(Phase::Migrate);
             if timeout >= deadline {
@@ -627,6 +680,7 @@ pub(crate) mod tests {
             vsock: None,
             agent_port: 7077,
             log_file: None,
+            tls_dir: None,
         });
         assert_eq!(
             p.validate(),
@@ -645,6 +699,48 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_migration_is_encrypted_at_both_ends_or_at_neither_and_over_tcp() {
+        let ch = |tls: Option<&str>| Endpoint::CloudHypervisor {
+            api_socket: "/a".into(),
+            event_monitor: None,
+            vsock: Some("/v".into()),
+            agent_port: 7077,
+            log_file: None,
+            tls_dir: tls.map(PathBuf::from),
+        };
+        let mut p = plan();
+        p.via = "tcp:127.0.0.1:4444".into();
+        p.source = ch(Some("/s/tls"));
+        p.destination = Some(ch(None));
+        assert!(
+            matches!(p.validate(), Err(PlanError::Flags { side: "destination", ref reason }) if reason.contains("TLS")),
+            "{:?}",
+            p.validate()
+        );
+        p.destination = Some(ch(Some("/d/tls")));
+        assert_eq!(p.validate(), Ok(()));
+        p.source = ch(None);
+        assert!(matches!(
+            p.validate(),
+            Err(PlanError::Flags { side: "source", .. })
+        ));
+        p.source = ch(Some("/s/tls"));
+        p.via = "unix:/d/mig.sock".into();
+        assert!(
+            matches!(p.validate(), Err(PlanError::Flags { ref reason, .. }) if reason.contains("tcp:")),
+            "{:?}",
+            p.validate()
+        );
+        // QEMU has no TLS folder: the flag is refused for it.
+        let qemu_tls = EndpointFlags {
+            qmp: Some("/q".into()),
+            tls_dir: Some("/t".into()),
+            ..EndpointFlags::default()
+        };
+        assert!(qemu_tls.endpoint("source").is_err());
+    }
+
+    #[test]
     fn flags_name_one_vmm_with_its_own_agent_channel() {
         let flags = |qmp: bool, api: bool, agent: bool, vsock: bool| EndpointFlags {
             qmp: qmp.then(|| "/q".into()),
@@ -654,6 +750,7 @@ pub(crate) mod tests {
             event_monitor: None,
             agent_port: 7077,
             log_file: None,
+            tls_dir: None,
         };
         assert_eq!(
             flags(true, false, true, false).endpoint("source"),
@@ -670,6 +767,7 @@ pub(crate) mod tests {
                 vsock: Some("/v".into()),
                 agent_port: 7077,
                 log_file: None,
+                tls_dir: None,
             })
         );
         for (bad, what) in [
@@ -698,6 +796,7 @@ pub(crate) mod tests {
             vsock: Some("/d/vsock".into()),
             agent_port: 7077,
             log_file: None,
+            tls_dir: None,
         });
         p.limits.downtime = Some(Duration::from_millis(200));
         p.limits.local = true;

@@ -1,5 +1,5 @@
 //! A whole coordinated move with Cloud Hypervisor endpoints, run as an operator runs it: the
-//! one wrapper command `rdmamig-vmm --api-socket ... migrate <destination_url> ...` in place
+//! one wrapper command `rdmamig-vmm --api-socket ... send-migration destination_url=...` in place
 //! of `ch-remote send-migration`, through `rdmamig migrate` and the daemon's mover.
 //!
 //! A real Cloud Hypervisor cannot run here (no usable KVM), so both VMM APIs are the
@@ -208,6 +208,26 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
     let report = bed.dir().join("ch-move.json");
     let vsock = guest.vsock_socket();
 
+    // The successful move is asked for in ch-remote's own words, with TLS for the stream
+    // (folders the stand-ins only see named); the failing one with the wrapper's flags.
+    let migration: &[&str] = if fail_migration {
+        &[
+            "migrate",
+            "tcp:127.0.0.1:6000",
+            "--downtime-ms",
+            "250",
+            "--migration-timeout-s",
+            "30",
+        ]
+    } else {
+        &[
+            "send-migration",
+            "destination_url=tcp:127.0.0.1:6000,downtime_ms=250,timeout_s=30,connections=2,\
+             tls_dir=/etc/vm1/tls-client",
+            "--to-tls-dir",
+            "/etc/vm1/tls-server",
+        ]
+    };
     let output = Command::new(bin_dir().join("rdmamig-vmm"))
         .arg("--api-socket")
         .arg(source.socket())
@@ -215,8 +235,7 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
         .arg(&vsock)
         .arg("--event-monitor")
         .arg(&events)
-        .args(["migrate", "tcp:127.0.0.1:6000"])
-        .args(["--downtime-ms", "250", "--migration-timeout-s", "30"])
+        .args(migration)
         .arg("--to-api-socket")
         .arg(destination.socket())
         .arg("--to-vsock")
@@ -271,12 +290,13 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
         bodies(&source, "/vm.send-migration"),
         [
             json!({"destination_url": "tcp:127.0.0.1:6000", "local": false,
-            "downtime_ms": 250, "timeout_s": 30, "timeout_strategy": "Cancel"})
+            "downtime_ms": 250, "timeout_s": 30, "timeout_strategy": "Cancel",
+            "connections": 2, "tls_dir": "/etc/vm1/tls-client"})
         ]
     );
     assert_eq!(
         bodies(&destination, "/vm.receive-migration"),
-        [json!({"receiver_url": "tcp:127.0.0.1:6000"})]
+        [json!({"receiver_url": "tcp:127.0.0.1:6000", "tls_dir": "/etc/vm1/tls-server"})]
     );
     assert_eq!(
         bodies(&destination, "/vm.add-device"),

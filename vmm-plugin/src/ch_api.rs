@@ -204,6 +204,12 @@ pub enum Request {
         timeout_s: Option<u64>,
         /// What to do at the timeout (`Cancel`: keep the VM on the source).
         timeout_strategy: TimeoutStrategy,
+        /// Parallel connections for the stream (after v53; tcp only).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        connections: Option<u8>,
+        /// Mutual TLS material: CA and client certificate (after v53; tcp only).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tls_dir: Option<String>,
     },
     /// `vm.receive-migration`.
     ReceiveMigration {

@@ -76,7 +76,8 @@ pub struct ChConfig {
     pub event_monitor: Option<PathBuf>,
     /// `--log-file PATH`: where a failed migration's cause is written (its event has none).
     pub log_file: Option<PathBuf>,
-    /// Mutual TLS material for receiving over tcp (`tls_dir`).
+    /// Mutual TLS for the migration stream over tcp (`tls_dir`): this VMM's CA and
+    /// certificate, sent with its receive (server) or its send (client).
     pub tls_dir: Option<PathBuf>,
     /// Wait for each API answer.
     pub answer_timeout: Duration,
@@ -141,6 +142,14 @@ struct Info {
 }
 
 impl ChVmm {
+    /// The TLS folder as the API takes it.
+    fn tls_dir(&self) -> Option<String> {
+        self.config
+            .tls_dir
+            .as_ref()
+            .map(|dir| dir.display().to_string())
+    }
+
     /// Connects: pings the VMM (which also proves the socket is its API).
     pub async fn connect(config: ChConfig) -> Result<ChVmm, VmmError> {
         let api = ApiClient::new(&config.api_socket, config.answer_timeout);
@@ -448,11 +457,7 @@ impl Vmm for ChVmm {
         }
         let request = Request::ReceiveMigration {
             receiver_url: uri.into(),
-            tls_dir: self
-                .config
-                .tls_dir
-                .as_ref()
-                .map(|dir| dir.display().to_string()),
+            tls_dir: self.tls_dir(),
         };
         let api = self.api.clone();
         let timeout = self.config.receive_timeout;
@@ -508,6 +513,8 @@ impl Vmm for ChVmm {
             downtime_ms: limits.downtime.map(|d| millis(d).max(1)),
             timeout_s: limits.timeout.map(|t| t.as_secs().max(1)),
             timeout_strategy: limits.timeout_strategy,
+            connections: limits.connections,
+            tls_dir: self.tls_dir(),
         };
         let started = Instant::now();
         self.api

@@ -41,6 +41,7 @@ pub use cloud_hypervisor::{ChConfig, ChVmm};
 pub use device::{DeviceSpec, DeviceSpecError};
 pub use migration::{
     vm_paused, MigrationLimits, MigrationProgress, MigrationStatus, TimeoutStrategy,
+    MAX_MIGRATION_CONNECTIONS,
 };
 pub use qemu::{QemuConfig, QemuVmm};
 

@@ -19,8 +19,8 @@ use serde_json::Value;
 /// Cloud Hypervisor takes all of them as they are. QEMU takes the downtime
 /// (`downtime-limit`); its backend enforces the timeout itself (`Cancel`: it cancels the
 /// migration, the VM keeps running on the source; `Ignore`: it lifts the downtime limit so
-/// the migration completes whatever its stop time) and refuses `local`, which has no QEMU
-/// equivalent.
+/// the migration completes whatever its stop time) and refuses `local` and `connections`,
+/// which have no QEMU counterpart it could set (multifd is configured on the VMM).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationLimits {
     /// The longest stop-and-copy the VMM may choose; `None` leaves the VMM's default
@@ -38,7 +38,14 @@ pub struct MigrationLimits {
     /// Hypervisor, `unix:` URIs, memory `shared=on`).
     #[serde(default)]
     pub local: bool,
+    /// Parallel connections for the migration stream (Cloud Hypervisor after v53, `tcp:`
+    /// only, [`MAX_MIGRATION_CONNECTIONS`] at most); `None` leaves the VMM's one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u8>,
 }
+
+/// The most parallel connections Cloud Hypervisor takes for one migration.
+pub const MAX_MIGRATION_CONNECTIONS: u8 = 128;
 
 /// What a migration does when it reaches its timeout (Cloud Hypervisor's `TimeoutStrategy`,
 /// spelled as its API spells it).
@@ -333,11 +340,13 @@ mod tests {
             timeout: Some(Duration::from_secs(60)),
             timeout_strategy: TimeoutStrategy::Ignore,
             local: true,
+            connections: Some(16),
         };
         let value = serde_json::to_value(limits).unwrap();
         assert_eq!(
             value,
-            json!({"downtime_ms": 250, "timeout_s": 60, "timeout_strategy": "Ignore", "local": true})
+            json!({"downtime_ms": 250, "timeout_s": 60, "timeout_strategy": "Ignore", "local": true,
+                   "connections": 16})
         );
         assert_eq!(
             serde_json::from_value::<MigrationLimits>(value).unwrap(),

@@ -378,6 +378,15 @@ impl Vmm for QemuVmm {
                     .into(),
             });
         }
+        if limits.connections.is_some() {
+            return Err(VmmError::Unsupported {
+                operation: "send migration",
+                vmm: "QEMU",
+                reason: "connections is Cloud Hypervisor's; QEMU's parallel streams \
+                         (multifd) are set on the VMM itself, before the migration"
+                    .into(),
+            });
+        }
         if let Some(downtime) = limits.downtime {
             self.run(
                 "send migration",

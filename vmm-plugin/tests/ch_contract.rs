@@ -114,6 +114,8 @@ fn sample_request(endpoint: Endpoint) -> Option<Request> {
             downtime_ms: None,
             timeout_s: None,
             timeout_strategy: TimeoutStrategy::Cancel,
+            connections: Some(4),
+            tls_dir: Some("/etc/tls".into()),
         },
         Endpoint::VmReceiveMigration => Request::ReceiveMigration {
             receiver_url: "unix:/run/mig.sock".into(),
@@ -233,6 +235,7 @@ async fn every_request_the_backend_sends_matches_the_spec() {
             timeout: Some(Duration::from_millis(10)),
             timeout_strategy: TimeoutStrategy::Ignore,
             local: false,
+            connections: Some(128),
         },
     ] {
         vmm.send_migration("tcp:127.0.0.1:6000", &limits)
@@ -271,6 +274,10 @@ async fn every_request_the_backend_sends_matches_the_spec() {
     assert!(bodies.contains(
         &&json!({"destination_url": "tcp:127.0.0.1:6000", "local": false,
         "downtime_ms": 250, "timeout_s": 60, "timeout_strategy": "Cancel"})
+    ));
+    assert!(bodies.contains(
+        &&json!({"destination_url": "tcp:127.0.0.1:6000", "local": false,
+        "downtime_ms": 1, "timeout_s": 1, "timeout_strategy": "Ignore", "connections": 128})
     ));
 }
 

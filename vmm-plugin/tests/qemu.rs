@@ -427,6 +427,12 @@ async fn past_its_timeout_with_the_ignore_strategy_a_migration_completes_and_loc
     };
     let err = src.send_migration(&via, &local).await.unwrap_err();
     assert!(matches!(&err, VmmError::Unsupported { .. }), "{err}");
+    let parallel = MigrationLimits {
+        connections: Some(4),
+        ..MigrationLimits::default()
+    };
+    let err = src.send_migration(&via, &parallel).await.unwrap_err();
+    assert!(matches!(&err, VmmError::Unsupported { .. }), "{err}");
     assert_eq!(
         src.qmp().execute("query-migrate", None).await.unwrap(),
         serde_json::json!({}),
@@ -447,6 +453,7 @@ async fn past_its_timeout_with_the_ignore_strategy_a_migration_completes_and_loc
         timeout: Some(Duration::from_secs(1)),
         timeout_strategy: TimeoutStrategy::Ignore,
         local: false,
+        connections: None,
     };
     src.send_migration(&via, &limits).await.unwrap();
     let done = src

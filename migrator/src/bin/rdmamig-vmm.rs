@@ -12,7 +12,8 @@
 //!   confirms that the VM runs on the destination, plugs the new NIC and resumes every
 //!   connection; a failure before the resume rolls back as a daemon's move does (the
 //!   destination's copy is discarded, the source runs again with its NIC plugged back).
-//! - `migrate` (in place of `ch-remote send-migration [--local] <destination_url>`): the
+//! - `migrate`, also named `send-migration` (in place of `ch-remote send-migration
+//!   destination_url=...,downtime_ms=...`, whose option list it takes, [`ch_remote`]): the
 //!   whole coordinated move, through the rdmamig daemon, with the same destination
 //!   arguments and the migration's limits, and the flags of `rdmamig migrate`.
 //!
@@ -26,6 +27,7 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::backends::VmmBackends;
+use rdmamig_migrator::ch_remote;
 use rdmamig_migrator::cli::{self, write_report};
 use rdmamig_migrator::flags::{GuestFlags, MoveFlags, VmmFlags, DEFAULT_SOCKET};
 use rdmamig_migrator::journal::{self, Journal};
@@ -58,13 +60,15 @@ rdmamig-vmm --qmp /run/vm1-dst/qmp.sock --agent /run/vm1-dst/agent.sock post-mig
 --attach 'driver=vfio-pci,host=0000:3b:02.2,id=vf1,bus=rp1'\n\n\
 Cloud Hypervisor (around `ch-remote send-migration`):\n  \
 rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock pre-migrate --detach vf0\n  \
-ch-remote --api-socket /run/vm1/api.sock send-migration unix:/run/vm1/mig.sock\n  \
+ch-remote --api-socket /run/vm1/api.sock send-migration destination_url=unix:/run/vm1/mig.sock\n  \
 rdmamig-vmm --api-socket /run/vm1-dst/api.sock --vsock /run/vm1-dst/vsock.sock post-migrate \\\n    \
 --attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'\n\n\
 Or the whole move in one command through the rdmamig daemon, in place of \
-`ch-remote --api-socket /run/vm1/api.sock send-migration tcp:dst-host:6000`:\n  \
+`ch-remote --api-socket /run/vm1/api.sock send-migration \
+destination_url=tcp:dst-host:6000,downtime_ms=200` (the same option list):\n  \
 rdmamig-vmm --api-socket /run/vm1/api.sock --vsock /run/vm1/vsock.sock \\\n    \
---event-monitor /run/vm1/events.json migrate tcp:dst-host:6000 \\\n    \
+--event-monitor /run/vm1/events.json \\\n    \
+send-migration destination_url=tcp:dst-host:6000,downtime_ms=200 \\\n    \
 --to-api-socket /run/vm1-dst/api.sock --to-vsock /run/vm1-dst/vsock.sock \\\n    \
 --vm vm1 --detach vf0 --attach 'driver=vfio-pci,host=0000:3b:02.1,id=vf1'\n\n\
 Exit status: 0 done, 1 failed (the JSON line and stderr say why), 2 usage; migrate as \
@@ -86,7 +90,9 @@ enum Command {
     /// resume every connection.
     PostMigrate(PostMigrateArgs),
     /// The whole coordinated move through the rdmamig daemon, in place of
-    /// `ch-remote send-migration [--local] <destination_url>`.
+    /// `ch-remote send-migration destination_url=...,downtime_ms=...` (also named
+    /// send-migration, and taking ch-remote's option list).
+    #[command(visible_alias = "send-migration")]
     Migrate(Box<MigrateArgs>),
 }
 
@@ -154,7 +160,11 @@ struct PostMigrateArgs {
 
 #[derive(Args)]
 struct MigrateArgs {
-    /// Where the migration stream goes: unix:PATH or tcp:HOST:PORT (as ch-remote takes it).
+    /// Where the migration stream goes: unix:PATH or tcp:HOST:PORT, or ch-remote's option
+    /// list: destination_url=URL[,downtime_ms=MS][,timeout_s=S][,timeout_strategy=cancel|ignore]
+    /// [,local=on|off][,connections=N][,tls_dir=DIR] (what is given there is not also
+    /// given as a flag; tls_dir= needs --to-tls-dir for the destination).
+    #[arg(value_name = "DESTINATION_URL|OPTIONS")]
     destination_url: String,
     /// The daemon's socket.
     #[arg(long, env = "RDMAMIG_SOCKET", default_value = DEFAULT_SOCKET)]
@@ -501,6 +511,30 @@ fn summary(report: &MoveReport) -> Value {
 /// `rdmamig migrate` in-process, from the wrapper's arguments: the migration stream goes to
 /// `destination_url`, and the migrate deadline lies past the migration's timeout.
 fn migrate(runtime: &tokio::runtime::Runtime, vmm: &VmmFlags, mut args: MigrateArgs) -> ExitCode {
+    let mut vmm = vmm.clone();
+    if ch_remote::is_option_list(&args.destination_url) {
+        let adopted = ch_remote::parse_send_migration(&args.destination_url)
+            .map_err(|e| e.to_string())
+            .and_then(|options| {
+                args.the_move.limits.adopt(&options)?;
+                if let Some(dir) = options.tls_dir {
+                    if vmm.tls_dir.is_some() {
+                        return Err(
+                            "tls_dir is given twice: in the option list and as --tls-dir".into(),
+                        );
+                    }
+                    vmm.tls_dir = Some(dir);
+                }
+                Ok(options.destination_url)
+            });
+        match adopted {
+            Ok(url) => args.destination_url = url,
+            Err(e) => {
+                eprintln!("rdmamig-vmm migrate: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let guest = &mut args.the_move.guest;
     if let Some(timeout) = args.the_move.limits.migration_timeout_s {
         if !guest.deadlines.iter().any(|d| d.starts_with("migrate=")) {
@@ -510,7 +544,7 @@ fn migrate(runtime: &tokio::runtime::Runtime, vmm: &VmmFlags, mut args: MigrateA
             guest.deadlines.push(format!("migrate={ms}"));
         }
     }
-    let plan = match args.the_move.plan(vmm, args.destination_url) {
+    let plan = match args.the_move.plan(&vmm, args.destination_url) {
         Ok(plan) => plan,
         Err(e) => {
             eprintln!("rdmamig-vmm migrate: {e}");

@@ -275,11 +275,13 @@ fn endpoint_paths(endpoint: &Endpoint) -> Vec<&Path> {
             event_monitor,
             vsock,
             log_file,
+            tls_dir,
             ..
         } => std::iter::once(api_socket.as_path())
             .chain(event_monitor.as_deref())
             .chain(vsock.as_deref())
             .chain(log_file.as_deref())
+            .chain(tls_dir.as_deref())
             .collect(),
     }
 }
@@ -370,6 +372,24 @@ mod tests {
             via: String::new(),
         };
         assert!(scope.admit("src", &agent_outside).is_err());
+        // So does a Cloud Hypervisor endpoint's TLS folder, which its VMM would read.
+        let tls = |dir: &str| PeerCall::PrepareReceive {
+            endpoint: Endpoint::CloudHypervisor {
+                api_socket: "/run/vmms/a.api".into(),
+                event_monitor: None,
+                vsock: Some("/run/vmms/a.vsock".into()),
+                agent_port: 7077,
+                log_file: None,
+                tls_dir: Some(dir.into()),
+            },
+            of: of("m"),
+            via: String::new(),
+        };
+        assert_eq!(scope.admit("src", &tls("/run/vmms/tls")), Ok(()));
+        assert!(matches!(
+            scope.admit("src", &tls("/root/.ssh")),
+            Err(ScopeError::EndpointNotAllowed { .. })
+        ));
         let none = Scope::new(Vec::new());
         let err = none.admit("src", &prepare("m", "/run/vmms/a")).unwrap_err();
         assert!(err.to_string().contains("none configured"), "{err}");
