@@ -4,9 +4,11 @@
 //!
 //! ch-remote takes one comma-separated `key=value` list after the verb
 //! (../shared/cloud-hypervisor/NOTES.md, "ch-remote's own syntax"). The keys of
-//! `send-migration` are the fields of Cloud Hypervisor's `vm.send-migration` body, which
-//! [`MigrationLimits`] carries; an unknown key, a key given twice or a value out of range is
-//! refused with the key's name, as ch-remote refuses it.
+//! `send-migration` and `receive-migration` are the fields of Cloud Hypervisor's
+//! `vm.send-migration` and `vm.receive-migration` bodies ([`MigrationLimits`] carries the
+//! bounds); an unknown key, a key given twice or a value out of range is refused with the
+//! key's name, as ch-remote refuses it, and so are ch-remote's keys rdmamig does not pass on
+//! yet.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -14,28 +16,56 @@ use std::time::Duration;
 use rdmamig_vmm::{MigrationLimits, TimeoutStrategy, MAX_MIGRATION_CONNECTIONS};
 use thiserror::Error;
 
-/// The keys `send-migration` takes.
-pub const SEND_MIGRATION_KEYS: &[&str] = &[
-    "destination_url",
-    "local",
-    "downtime_ms",
-    "timeout_s",
-    "timeout_strategy",
-    "connections",
-    "tls_dir",
-];
+/// One verb's option list: the keys it takes, and ch-remote's keys rdmamig refuses for now.
+struct Verb {
+    name: &'static str,
+    keys: &'static [&'static str],
+    not_yet: &'static [(&'static str, &'static str)],
+}
 
-/// Keys of ch-remote's `send-migration` that rdmamig does not pass on yet, and why.
-const NOT_YET: &[(&str, &str)] = &[("memory_mode", "rdmamig moves with precopy only")];
+/// `send-migration`: the fields of `vm.send-migration`.
+const SEND_MIGRATION: Verb = Verb {
+    name: "send-migration",
+    keys: &[
+        "destination_url",
+        "local",
+        "downtime_ms",
+        "timeout_s",
+        "timeout_strategy",
+        "connections",
+        "tls_dir",
+    ],
+    not_yet: &[("memory_mode", "rdmamig moves with precopy only")],
+};
+
+/// `receive-migration`: the fields of `vm.receive-migration`.
+const RECEIVE_MIGRATION: Verb = Verb {
+    name: "receive-migration",
+    keys: &["receiver_url", "tls_dir"],
+    not_yet: &[
+        (
+            "vfio_fds",
+            "handing VFIO devices to the receiving VMM (SCM_RIGHTS) is not passed on",
+        ),
+        (
+            "iommufd_fd",
+            "handing VFIO devices to the receiving VMM (SCM_RIGHTS) is not passed on",
+        ),
+    ],
+};
 
 /// What is wrong with a ch-remote option list.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ChRemoteError {
     /// A key the verb does not take.
-    #[error("unknown option: {key} (send-migration takes {})", SEND_MIGRATION_KEYS.join(", "))]
+    #[error("unknown option: {key} ({verb} takes {})", takes.join(", "))]
     UnknownOption {
+        /// The verb.
+        verb: &'static str,
         /// The key.
         key: String,
+        /// The keys the verb takes.
+        takes: &'static [&'static str],
     },
     /// An item without `=`.
     #[error("{item:?} is not key=value")]
@@ -55,7 +85,7 @@ pub enum ChRemoteError {
     #[error("{key} is given twice")]
     Repeated {
         /// The key.
-        key: String,
+        key: &'static str,
     },
     /// A value the key cannot take.
     #[error("{key}={value}: {reason}")]
@@ -67,9 +97,12 @@ pub enum ChRemoteError {
         /// What the key takes.
         reason: &'static str,
     },
-    /// `destination_url` is missing.
-    #[error("destination_url is missing (destination_url=tcp:HOST:PORT or unix:PATH)")]
-    NoDestination,
+    /// The URL is missing.
+    #[error("{key} is missing ({key}=tcp:HOST:PORT or unix:PATH)")]
+    NoUrl {
+        /// `destination_url` or `receiver_url`.
+        key: &'static str,
+    },
 }
 
 /// `send-migration`'s options: where the stream goes, and the migration's bounds.
@@ -87,9 +120,72 @@ pub struct SendMigration {
     pub given: Vec<&'static str>,
 }
 
+/// `receive-migration`'s options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceiveMigration {
+    /// `tcp:HOST:PORT` or `unix:PATH` to listen on.
+    pub receiver_url: String,
+    /// The destination's TLS folder (CA, server certificate and key).
+    pub tls_dir: Option<PathBuf>,
+}
+
 /// Whether `text` is a ch-remote option list rather than a bare URL (`tcp:`, `unix:`).
 pub fn is_option_list(text: &str) -> bool {
     !(text.starts_with("tcp:") || text.starts_with("unix:")) && text.contains('=')
+}
+
+/// Splits `options` into the verb's keys and their values: every key known, none twice.
+fn items<'a>(verb: &Verb, options: &'a str) -> Result<Vec<(&'static str, &'a str)>, ChRemoteError> {
+    let mut items: Vec<(&'static str, &str)> = Vec::new();
+    for item in options.split(',').filter(|item| !item.is_empty()) {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| ChRemoteError::NotKeyValue {
+                item: item.to_string(),
+            })?;
+        if let Some((key, reason)) = verb.not_yet.iter().find(|(k, _)| *k == key) {
+            return Err(ChRemoteError::NotYet { key, reason });
+        }
+        let key = *verb
+            .keys
+            .iter()
+            .find(|known| **known == key)
+            .ok_or_else(|| ChRemoteError::UnknownOption {
+                verb: verb.name,
+                key: key.to_string(),
+                takes: verb.keys,
+            })?;
+        if items.iter().any(|(k, _)| *k == key) {
+            return Err(ChRemoteError::Repeated { key });
+        }
+        items.push((key, value));
+    }
+    Ok(items)
+}
+
+/// A migration URL, as Cloud Hypervisor takes it.
+fn url(key: &'static str, value: &str) -> Result<String, ChRemoteError> {
+    if value.starts_with("tcp:") || value.starts_with("unix:") {
+        Ok(value.to_string())
+    } else {
+        Err(ChRemoteError::BadValue {
+            key,
+            value: value.to_string(),
+            reason: "not a tcp:HOST:PORT or unix:PATH URL",
+        })
+    }
+}
+
+/// A TLS folder.
+fn folder(key: &'static str, value: &str) -> Result<PathBuf, ChRemoteError> {
+    if value.is_empty() {
+        return Err(ChRemoteError::BadValue {
+            key,
+            value: String::new(),
+            reason: "a folder",
+        });
+    }
+    Ok(PathBuf::from(value))
 }
 
 /// Parses `send-migration`'s option list.
@@ -97,36 +193,15 @@ pub fn parse_send_migration(options: &str) -> Result<SendMigration, ChRemoteErro
     let mut destination_url = None;
     let mut limits = MigrationLimits::default();
     let mut tls_dir = None;
-    let mut given: Vec<&'static str> = Vec::new();
-    for item in options.split(',').filter(|item| !item.is_empty()) {
-        let (key, value) = item
-            .split_once('=')
-            .ok_or_else(|| ChRemoteError::NotKeyValue {
-                item: item.to_string(),
-            })?;
-        if let Some((key, reason)) = NOT_YET.iter().find(|(k, _)| *k == key) {
-            return Err(ChRemoteError::NotYet { key, reason });
-        }
-        let key = *SEND_MIGRATION_KEYS
-            .iter()
-            .find(|known| **known == key)
-            .ok_or_else(|| ChRemoteError::UnknownOption {
-                key: key.to_string(),
-            })?;
-        if given.contains(&key) {
-            return Err(ChRemoteError::Repeated { key: key.into() });
-        }
-        given.push(key);
+    let items = items(&SEND_MIGRATION, options)?;
+    for &(key, value) in &items {
         let bad = |reason| ChRemoteError::BadValue {
             key,
             value: value.to_string(),
             reason,
         };
         match key {
-            "destination_url" if value.starts_with("tcp:") || value.starts_with("unix:") => {
-                destination_url = Some(value.to_string());
-            }
-            "destination_url" => return Err(bad("not a tcp:HOST:PORT or unix:PATH URL")),
+            "destination_url" => destination_url = Some(url(key, value)?),
             "local" => limits.local = toggle(value).ok_or_else(|| bad("on or off"))?,
             "downtime_ms" => {
                 let ms = positive(value).ok_or_else(|| bad("a whole number of ms, 1 or more"))?;
@@ -149,17 +224,36 @@ pub fn parse_send_migration(options: &str) -> Result<SendMigration, ChRemoteErro
                     .ok_or_else(|| bad("1 to 128"))?;
                 limits.connections = Some(n);
             }
-            "tls_dir" if !value.is_empty() => tls_dir = Some(PathBuf::from(value)),
-            "tls_dir" => return Err(bad("a folder")),
-            _ => unreachable!("every key of SEND_MIGRATION_KEYS is matched"),
+            "tls_dir" => tls_dir = Some(folder(key, value)?),
+            _ => unreachable!("every key of send-migration is matched"),
         }
     }
-    let destination_url = destination_url.ok_or(ChRemoteError::NoDestination)?;
     Ok(SendMigration {
-        destination_url,
+        destination_url: destination_url.ok_or(ChRemoteError::NoUrl {
+            key: "destination_url",
+        })?,
         limits,
         tls_dir,
-        given,
+        given: items.iter().map(|(key, _)| *key).collect(),
+    })
+}
+
+/// Parses `receive-migration`'s option list.
+pub fn parse_receive_migration(options: &str) -> Result<ReceiveMigration, ChRemoteError> {
+    let mut receiver_url = None;
+    let mut tls_dir = None;
+    for (key, value) in items(&RECEIVE_MIGRATION, options)? {
+        match key {
+            "receiver_url" => receiver_url = Some(url(key, value)?),
+            "tls_dir" => tls_dir = Some(folder(key, value)?),
+            _ => unreachable!("every key of receive-migration is matched"),
+        }
+    }
+    Ok(ReceiveMigration {
+        receiver_url: receiver_url.ok_or(ChRemoteError::NoUrl {
+            key: "receiver_url",
+        })?,
+        tls_dir,
     })
 }
 
@@ -199,7 +293,7 @@ mod tests {
             }
         );
         assert_eq!(parsed.tls_dir, Some(PathBuf::from("/etc/ch/tls")));
-        assert_eq!(parsed.given.len(), SEND_MIGRATION_KEYS.len());
+        assert_eq!(parsed.given.len(), SEND_MIGRATION.keys.len());
     }
 
     #[test]
@@ -262,6 +356,35 @@ mod tests {
             ("downtime_ms=200", "destination_url is missing"),
         ] {
             let e = parse_send_migration(options).unwrap_err().to_string();
+            assert!(e.contains(error), "{options}: {e}");
+        }
+    }
+
+    #[test]
+    fn receive_migration_takes_its_url_and_tls_folder() {
+        assert_eq!(
+            parse_receive_migration("receiver_url=tcp:0.0.0.0:6000,tls_dir=/etc/ch/tls").unwrap(),
+            ReceiveMigration {
+                receiver_url: "tcp:0.0.0.0:6000".into(),
+                tls_dir: Some("/etc/ch/tls".into()),
+            }
+        );
+        for (options, error) in [
+            (
+                "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[vfio0@5]",
+                "vfio_fds is not supported yet",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,iommufd_fd=6",
+                "iommufd_fd is not supported yet",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,downtime_ms=5",
+                "unknown option: downtime_ms (receive-migration takes receiver_url, tls_dir)",
+            ),
+            ("tls_dir=/etc/ch/tls", "receiver_url is missing"),
+        ] {
+            let e = parse_receive_migration(options).unwrap_err().to_string();
             assert!(e.contains(error), "{options}: {e}");
         }
     }

@@ -23,12 +23,13 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use rdmamig_testbed::ch_spec::{
-    append_event, check_against_spec, response_schema, spec_body, successful, validate, vm_info,
-    FakeCh,
+    append_event, check_against_spec, refusal, response_schema, spec_body, successful, validate,
+    vm_info, FakeCh,
 };
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::{bin_dir, error_chain, GuestBinaries, Testbed};
@@ -173,6 +174,76 @@ fn a_cloud_hypervisor_vm_moves_with_one_wrapper_command() {
 #[test]
 fn a_failed_cloud_hypervisor_migration_rolls_back_to_the_source() {
     run("chfail", true);
+}
+
+/// `rdmamig-vmm receive-migration` as a workflow's destination line, in ch-remote's words:
+/// the option list reaches `vm.receive-migration`; a VM a failed receive left `Created` is
+/// deleted first; the receiver's failure is the command's, with its chain; a key rdmamig
+/// does not pass on is refused before any request.
+#[test]
+fn receive_migration_takes_ch_remotes_options() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let _entered = runtime.enter();
+    let fail = Arc::new(AtomicBool::new(false));
+    let api = {
+        let fail = fail.clone();
+        FakeCh::start(move |path, body| match path {
+            "/vm.info" => (200, vm_info("Created", &[])),
+            "/vm.receive-migration" if fail.load(Ordering::Acquire) => refusal(&[
+                "Error from API",
+                "Error receiving migration",
+                "Socket error",
+                "failed to fill whole buffer",
+            ]),
+            _ => successful(path, body),
+        })
+    };
+    let receive = |options: &str| {
+        let output = Command::new(bin_dir().join("rdmamig-vmm"))
+            .arg("--api-socket")
+            .arg(api.socket())
+            .args(["receive-migration", options, "--timeout-s", "30"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr);
+        eprintln!("rdmamig-vmm receive-migration {options}:\n{text}");
+        (output.status.code(), text)
+    };
+
+    let (code, text) = receive("receiver_url=tcp:127.0.0.1:6000,tls_dir=/etc/vm1/tls-server");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("\"received_ms\""), "{text}");
+    let recorded = api.recorded();
+    check_against_spec(&recorded);
+    let paths: Vec<&str> = recorded.iter().map(|r| r.path.as_str()).collect();
+    let delete = paths.iter().position(|p| p.ends_with("/vm.delete"));
+    let receive_at = paths
+        .iter()
+        .position(|p| p.ends_with("/vm.receive-migration"));
+    assert!(
+        delete.is_some() && delete < receive_at,
+        "the Created VM was not deleted before receiving: {paths:?}"
+    );
+    assert_eq!(
+        bodies(&api, "/vm.receive-migration"),
+        [json!({"receiver_url": "tcp:127.0.0.1:6000", "tls_dir": "/etc/vm1/tls-server"})]
+    );
+
+    fail.store(true, Ordering::Release);
+    let (code, text) = receive("receiver_url=tcp:127.0.0.1:6000");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("failed to fill whole buffer"), "{text}");
+
+    let before = api.recorded().len();
+    let (code, text) = receive("receiver_url=tcp:127.0.0.1:6000,vfio_fds=[vfio0@5]");
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("vfio_fds is not supported yet"), "{text}");
+    assert_eq!(
+        api.recorded().len(),
+        before,
+        "a refused option list reached the VMM"
+    );
 }
 
 fn run(name: &str, fail_migration: bool) {

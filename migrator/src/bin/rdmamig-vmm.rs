@@ -24,6 +24,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use rdmamig_migrator::backends::VmmBackends;
@@ -38,7 +39,7 @@ use rdmamig_migrator::pool::{Pool, PoolConfig};
 use rdmamig_migrator::report::{MoveEvent, MoveReport, VmLocation};
 use rdmamig_migrator::strategy::choose_for;
 use rdmamig_proto::text::error_chain;
-use rdmamig_vmm::DeviceSpec;
+use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, Vmm};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -94,6 +95,11 @@ enum Command {
     /// send-migration, and taking ch-remote's option list).
     #[command(visible_alias = "send-migration")]
     Migrate(Box<MigrateArgs>),
+    /// Cloud Hypervisor, on the destination of a workflow's migration: ch-remote's
+    /// `receive-migration receiver_url=...[,tls_dir=...]`, answered once the VM has arrived
+    /// (exit 0) or the migration failed (exit 1, with the receiver's error chain). A VM a
+    /// failed receive left `Created` is deleted first, so the same VMM can receive again.
+    ReceiveMigration(ReceiveMigrationArgs),
 }
 
 /// Where the hooks keep their moves when no --state-dir is given.
@@ -173,6 +179,17 @@ struct MigrateArgs {
     the_move: MoveFlags,
 }
 
+#[derive(Args)]
+struct ReceiveMigrationArgs {
+    /// ch-remote's option list: receiver_url=tcp:HOST:PORT|unix:PATH[,tls_dir=DIR]
+    /// (vfio_fds= and iommufd_fd= are refused: not passed on yet).
+    #[arg(value_name = "OPTIONS")]
+    options: String,
+    /// The longest the migration may take to arrive, s.
+    #[arg(long, default_value_t = 3600)]
+    timeout_s: u64,
+}
+
 /// A hook's failure: what to print, and whether it is the caller's mistake.
 enum Failure {
     /// Bad arguments: nothing was done (exit 2).
@@ -214,6 +231,10 @@ fn main() -> ExitCode {
         Command::PostMigrate(args) => (
             "post-migrate",
             runtime.block_on(post_migrate(&cli.vmm, args)),
+        ),
+        Command::ReceiveMigration(args) => (
+            "receive-migration",
+            runtime.block_on(receive_migration(&cli.vmm, args)),
         ),
     };
     match result {
@@ -328,6 +349,45 @@ async fn pre_migrate(vmm: &VmmFlags, args: PreMigrateArgs) -> Result<Value, Fail
     }
     store(&args.state, &report, &mut line);
     Err(failure(&report, line))
+}
+
+/// Receives a migration into the Cloud Hypervisor at `--api-socket`, as ch-remote does.
+async fn receive_migration(vmm: &VmmFlags, args: ReceiveMigrationArgs) -> Result<Value, Failure> {
+    let options = ch_remote::parse_receive_migration(&args.options)
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    let Some(api_socket) = &vmm.api_socket else {
+        return Err(Failure::Usage(
+            "receive-migration is Cloud Hypervisor's: give its --api-socket (QEMU receives \
+             with migrate-incoming)"
+                .into(),
+        ));
+    };
+    if options.tls_dir.is_some() && vmm.tls_dir.is_some() {
+        return Err(Failure::Usage(
+            "tls_dir is given twice: in the option list and as --tls-dir".into(),
+        ));
+    }
+    let mut config = ChConfig::new(api_socket);
+    config.tls_dir = options.tls_dir.or_else(|| vmm.tls_dir.clone());
+    config.receive_timeout = Duration::from_secs(args.timeout_s);
+    let started = Instant::now();
+    let ch = ChVmm::connect(config)
+        .await
+        .map_err(|e| failed(error_chain(&e)))?;
+    ch.prepare_incoming(&options.receiver_url)
+        .await
+        .map_err(|e| failed(error_chain(&e)))?;
+    eprintln!(
+        "rdmamig-vmm receive-migration: receiving on {} (at most {} s)",
+        options.receiver_url, args.timeout_s
+    );
+    ch.wait_received(Duration::from_secs(args.timeout_s))
+        .await
+        .map_err(|e| failed(error_chain(&e)))?;
+    Ok(json!({
+        "receiver_url": options.receiver_url,
+        "received_ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    }))
 }
 
 async fn post_migrate(vmm: &VmmFlags, args: PostMigrateArgs) -> Result<Value, Failure> {
