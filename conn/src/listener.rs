@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
-use rdmamig_proto::agent::{ConnectionInfo, Role};
+use rdmamig_proto::agent::{ConnectionInfo, QuiesceMode, Role};
 use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
 
@@ -83,7 +83,11 @@ impl Migratable for ListenerShared {
     }
 
     /// The TCP bridge listener stays: it holds no device.
-    fn quiesce(&self, deadline: Instant, _bridge: bool) -> Result<(), ControlError> {
+    fn quiesce(&self, deadline: Instant, mode: QuiesceMode) -> Result<(), ControlError> {
+        if mode == QuiesceMode::Hot {
+            // The device stays: the listening id and its bound address stay with it.
+            return Ok(());
+        }
         let (tx, rx) = mpsc::channel();
         self.request(ListenerCommand::Quiesce(tx), rx, deadline)
     }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, QuiesceMode};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent, DEFAULT_AGENT_SOCKET};
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use thiserror::Error;
@@ -54,11 +54,14 @@ pub enum RegistryError {
 pub(crate) trait Migratable: Send + Sync {
     /// The connection's snapshot (None for listeners).
     fn describe(&self) -> Option<ConnectionInfo>;
-    /// Quiesce within `deadline`; with `bridge`, a connection carries its messages over its
-    /// TCP bridge until the RDMA path is back.
-    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), ControlError>;
+    /// Quiesce within `deadline`, as `mode` says.
+    fn quiesce(&self, deadline: Instant, mode: QuiesceMode) -> Result<(), ControlError>;
     /// Resume within `deadline`.
     fn resume(&self, deadline: Instant) -> Result<(), ControlError>;
+    /// Why the last resume reconnected instead of going on on the QP a `hot` quiesce kept.
+    fn fell_back(&self) -> Option<String> {
+        None
+    }
     /// Listeners are quiesced after and resumed before connections.
     fn is_listener(&self) -> bool;
     /// The connection id (None for listeners).
@@ -126,12 +129,14 @@ pub fn handle(request: &AgentToApp) -> Option<AppToAgent> {
             request,
             deadline_ms,
             bridge,
+            hot,
         } => {
             let deadline = Instant::now() + Duration::from_millis(deadline_ms);
+            let mode = QuiesceMode::from_flags(bridge, hot);
             let (listeners, conns): (Vec<_>, Vec<_>) =
                 all.into_iter().partition(|c| c.is_listener());
-            let mut outcomes = run_all(&conns, |c| c.quiesce(deadline, bridge));
-            outcomes.extend(run_all(&listeners, |l| l.quiesce(deadline, bridge)));
+            let mut outcomes = run_all(&conns, |c| c.quiesce(deadline, mode));
+            outcomes.extend(run_all(&listeners, |l| l.quiesce(deadline, mode)));
             AppToAgent::Reply {
                 request,
                 body: AppReply::Outcomes { outcomes },
@@ -195,12 +200,12 @@ fn run_all(
     bounded_parallel(entries, MAX_PARALLEL, |e| {
         let start = Instant::now();
         let result = op(e.as_ref());
-        (e.conn_id(), start.elapsed(), result)
+        (e.conn_id(), start.elapsed(), result, e.fell_back())
     })
     .into_iter()
     .filter_map(|r| {
-        let (id, elapsed, result) =
-            r.unwrap_or((None, Duration::ZERO, Err(ControlError::Panicked)));
+        let (id, elapsed, result, fell_back) =
+            r.unwrap_or((None, Duration::ZERO, Err(ControlError::Panicked), None));
         // Listeners appear only when they failed: the agent lists connections.
         if id.is_none() && result.is_ok() {
             return None;
@@ -216,6 +221,7 @@ fn run_all(
                     e.to_string()
                 }
             }),
+            fell_back,
         })
     })
     .collect()

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, QuiesceMode, Role};
 use rdmamig_proto::ConnectionId;
 use rdmamig_verbs::CmId;
 use tokio::sync::oneshot;
@@ -44,6 +44,9 @@ pub struct ConnStats {
     pub inbox_high: u64,
     /// Link-level events the connection recovered from (not errors for the application).
     pub link_events: Vec<String>,
+    /// The number of each QP that carried the connection, in order (a `hot` move keeps
+    /// the one it has).
+    pub qps: Vec<u32>,
 }
 
 /// What the application and the worker share.
@@ -72,13 +75,17 @@ pub(crate) struct State {
     pub(crate) onesided: onesided::OneSided,
     /// A TCP bridge is open.
     pub(crate) bridge_up: bool,
+    /// The number of the QP that carries the connection now.
+    pub(crate) qp: Option<u32>,
+    /// Why the last link a `hot` quiesce kept was given up (the resume then reconnected).
+    pub(crate) fell_back: Option<String>,
 }
 
 pub(crate) enum Command {
     Quiesce {
         deadline: Instant,
-        /// Carry messages over the bridge until the RDMA path is back.
-        bridge: bool,
+        /// What the quiesce leaves of the link (bridge, or the QP kept).
+        mode: QuiesceMode,
         reply: Reply,
     },
     Resume {
@@ -145,6 +152,8 @@ impl ConnShared {
                 stats: ConnStats::default(),
                 onesided: Default::default(),
                 bridge_up: false,
+                qp: None,
+                fell_back: None,
             }),
             cond: Condvar::new(),
             changed_async: tokio::sync::Notify::new(),
@@ -270,6 +279,7 @@ impl ConnShared {
             last_received: st.last_received,
             unacked: st.outbox.len() as u64,
             bridge: st.bridge_up,
+            qp: st.qp,
         }
     }
 }
@@ -279,11 +289,11 @@ impl Migratable for ConnShared {
         Some(self.info())
     }
 
-    fn quiesce(&self, deadline: Instant, bridge: bool) -> Result<(), ControlError> {
+    fn quiesce(&self, deadline: Instant, mode: QuiesceMode) -> Result<(), ControlError> {
         self.request(
             |reply| Command::Quiesce {
                 deadline,
-                bridge,
+                mode,
                 reply,
             },
             deadline,
@@ -292,6 +302,10 @@ impl Migratable for ConnShared {
 
     fn resume(&self, deadline: Instant) -> Result<(), ControlError> {
         self.request(|reply| Command::Resume { deadline, reply }, deadline)
+    }
+
+    fn fell_back(&self) -> Option<String> {
+        self.lock().fell_back.clone()
     }
 
     fn is_listener(&self) -> bool {

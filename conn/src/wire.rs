@@ -83,6 +83,9 @@ pub enum Kind {
     Close = 5,
     /// The sender's exposed buffers as registered on this QP: [`RegionEntry`] records.
     Regions = 6,
+    /// The side that paused with [`FLAG_HOT`] is back on the same QP (a probe round trip
+    /// went through): send again.
+    Continue = 7,
 }
 
 impl Kind {
@@ -94,6 +97,7 @@ impl Kind {
             4 => Kind::PauseAck,
             5 => Kind::Close,
             6 => Kind::Regions,
+            7 => Kind::Continue,
             kind => return Err(WireError::BadKind { kind }),
         })
     }
@@ -104,6 +108,9 @@ pub const FLAG_MOVING: u8 = 1;
 /// Flag on PAUSE: carry messages over the TCP bridge until the RDMA path is back (strategy
 /// `bridge`).
 pub const FLAG_BRIDGE: u8 = 2;
+/// Flag on PAUSE: keep the QP (strategy `hot`: the device moves with the VM); no
+/// disconnect follows, a [`Kind::Continue`] does.
+pub const FLAG_HOT: u8 = 4;
 
 /// The fixed header of every message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -484,7 +491,8 @@ mod tests {
             Just(Kind::Pause),
             Just(Kind::PauseAck),
             Just(Kind::Close),
-            Just(Kind::Regions)
+            Just(Kind::Regions),
+            Just(Kind::Continue)
         ]
     }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rdmamig_proto::agent::{
     AgentCommand, AgentRequest, AgentResponse, AgentResult, ConnectionInfo, ConnectionOutcome,
-    DeviceHolder, ReleaseScope, UnmanagedProgram,
+    DeviceHolder, QuiesceMode, ReleaseScope, UnmanagedProgram,
 };
 use rdmamig_proto::clock::millis;
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
@@ -149,7 +149,7 @@ pub trait GuestAgent: Send {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
-        bridge: bool,
+        mode: QuiesceMode,
     ) -> Result<Outcomes, AgentError>;
     /// Resumes every connection; `known` as for quiesce.
     async fn resume(
@@ -192,9 +192,9 @@ impl GuestAgent for AgentClient {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
-        bridge: bool,
+        mode: QuiesceMode,
     ) -> Result<Outcomes, AgentError> {
-        AgentClient::quiesce(self, known, deadline, bridge).await
+        AgentClient::quiesce(self, known, deadline, mode).await
     }
 
     async fn resume(
@@ -301,11 +301,13 @@ impl AgentClient {
         &mut self,
         known: &[ConnectionId],
         deadline: Duration,
-        bridge: bool,
+        mode: QuiesceMode,
     ) -> Result<Outcomes, AgentError> {
+        let (bridge, hot) = mode.flags();
         let command = AgentCommand::Quiesce {
             deadline_ms: agent_budget(deadline),
             bridge,
+            hot,
         };
         let answer = self.request(command, deadline).await?;
         outcomes("quiesce", answer, known)
@@ -543,6 +545,7 @@ mod tests {
             last_received: 0,
             unacked: 0,
             bridge: false,
+            qp: None,
         }
     }
 
@@ -552,6 +555,7 @@ mod tests {
             ok: true,
             elapsed_ms: 1,
             error: None,
+            fell_back: None,
         }
     }
 
@@ -579,7 +583,8 @@ mod tests {
                 req.command,
                 AgentCommand::Quiesce {
                     deadline_ms: 900,
-                    bridge: false
+                    bridge: false,
+                    hot: false
                 }
             ));
             let outcomes = vec![ok(7), ok(9)];
@@ -615,7 +620,10 @@ mod tests {
             .map(|c| c.id)
             .collect();
         assert_eq!(ids, [7, 9]);
-        let q = host.quiesce(&ids, SECOND, false).await.unwrap();
+        let q = host
+            .quiesce(&ids, SECOND, QuiesceMode::Release)
+            .await
+            .unwrap();
         assert_eq!(
             (q.outcomes.len(), q.elapsed_ms, q.failed().count()),
             (2, 3, 0)
@@ -650,7 +658,10 @@ mod tests {
             )
             .await;
         });
-        let err = host.quiesce(&[7], SECOND, false).await.unwrap_err();
+        let err = host
+            .quiesce(&[7], SECOND, QuiesceMode::Release)
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 err,

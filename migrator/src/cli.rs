@@ -625,6 +625,7 @@ mod tests {
                 ram_remaining: Some(1 << 20),
                 ram_total: None,
                 mbps: None,
+                ram_syncs: None,
                 error: None,
                 vm_stopped_at: None,
             },

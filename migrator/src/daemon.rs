@@ -661,7 +661,8 @@ async fn serve_move(mut channel: Channel<UnixStream>, mut plan: MovePlan, shared
         reject(&mut channel, format!("the plan cannot run: {e}")).await;
         return;
     }
-    let choice = match choose_for(&plan, &shared.config.context.pool) {
+    let context = &shared.config.context;
+    let choice = match choose_for(&plan, context.backends.as_ref(), &context.pool).await {
         Ok(choice) => choice,
         Err(e) => {
             reject(&mut channel, format!("the plan cannot run: {e}")).await;

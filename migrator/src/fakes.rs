@@ -13,13 +13,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdmamig_proto::agent::{
-    ConnectionInfo, ConnectionOutcome, ConnectionState, DeviceHolder, ReleaseScope, Role,
-    UnmanagedProgram,
+    ConnectionInfo, ConnectionOutcome, ConnectionState, DeviceHolder, QuiesceMode, ReleaseScope,
+    Role, UnmanagedProgram,
 };
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
-    AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress, MigrationStatus,
-    ProgressFn, VmPhase, VmStatus, Vmm, VmmError,
+    AddedDevice, AgentStream, DeviceSpec, Held, MigrationLimits, MigrationProgress,
+    MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError,
 };
 
 use crate::agent::{AgentError, GuestAgent, Outcomes};
@@ -237,6 +237,27 @@ impl Vmm for FakeVmm {
         Ok(())
     }
 
+    async fn migration_blockers(&self) -> Result<Vec<String>, VmmError> {
+        self.host.call("src.migration_blockers");
+        Ok(Vec::new())
+    }
+
+    async fn send_migration_held(
+        &self,
+        uri: &str,
+        limits: &MigrationLimits,
+        _deadline: Duration,
+    ) -> Result<Held, VmmError> {
+        self.send_migration(uri, limits).await?;
+        self.host.call("src.hold_switchover");
+        Ok(Held::Ready)
+    }
+
+    async fn release_switchover(&self, _limits: &MigrationLimits) -> Result<(), VmmError> {
+        self.host.call("src.release_switchover");
+        Ok(())
+    }
+
     async fn wait_migration(
         &self,
         deadline: Duration,
@@ -263,6 +284,7 @@ impl Vmm for FakeVmm {
             ram_remaining: Some(0),
             ram_total: None,
             mbps: None,
+            ram_syncs: None,
             error: None,
         };
         match fault {
@@ -400,6 +422,7 @@ impl GuestAgent for FakeAgent {
                 last_received: 0,
                 unacked: 0,
                 bridge: false,
+                qp: None,
             })
             .collect())
     }
@@ -418,7 +441,7 @@ impl GuestAgent for FakeAgent {
         &mut self,
         known: &[ConnectionId],
         _deadline: Duration,
-        _bridge: bool,
+        _mode: QuiesceMode,
     ) -> Result<Outcomes, AgentError> {
         let fault = self.host.call("agent.quiesce");
         if fault == Some(Fault::Timeout) {
@@ -440,6 +463,7 @@ impl GuestAgent for FakeAgent {
                     ok: !failed,
                     elapsed_ms: 3,
                     error: failed.then(|| "the peer did not acknowledge the PAUSE".into()),
+                    fell_back: None,
                 }
             })
             .collect();
@@ -502,6 +526,7 @@ impl GuestAgent for FakeAgent {
                     ok: true,
                     elapsed_ms: 4,
                     error: None,
+                    fell_back: None,
                 })
                 .collect(),
             elapsed_ms: 6,

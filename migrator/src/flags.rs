@@ -202,10 +202,14 @@ pub struct GuestFlags {
     /// connection through the guest agent; bridge: as reconnect, but connections opened
     /// with a TCP bridge carry their messages over it (over a NIC that moves with the VM)
     /// while the RDMA path is away; naive: unplug, migrate, plug, nothing else;
-    /// vfio-migrate: the VMM moves the function's device state (needs --source-function
-    /// naming a VF whose device supports VFIO migration, refused before anything changes
-    /// otherwise; never run on hardware); auto: vfio-migrate when VFIO says the
-    /// --source-function supports it, reconnect otherwise (the report says why).
+    /// hot: the device stays plugged and the VMM moves its state with the VM (an emulated
+    /// NIC, or a VF on a VFIO variant driver that migrates, such as mlx5_vfio_pci; the
+    /// destination VMM must have been started with the same device); every connection
+    /// pauses right before the switchover, keeps its QP and is confirmed on it after the
+    /// move (refused before anything changes when the source VMM blocks the migration or
+    /// --source-function names a VF on plain vfio-pci; `vfio-migrate` is its former name);
+    /// auto: hot when nothing blocks it and the destination VMM has the device, reconnect
+    /// otherwise (the report says why).
     #[arg(long, value_enum, default_value_t = Strategy::Reconnect)]
     pub strategy: Strategy,
     /// What to do with programs in the guest that hold an RDMA device without the rdmamig

@@ -13,10 +13,9 @@
 //! - [`vf_mac`]: a VF's MAC, set through its PF (rtnetlink) before the VF is plugged;
 //! - [`vfio`]: SR-IOV preparation through sysfs and the VFIO device (open, reset, DMA,
 //!   migration support);
-//! - [`vfio_migrate`]: strategy `vfio-migrate` against the VFIO migration uAPI v2 states
-//!   (unit-tested only: not run on hardware);
-//! - [`strategy`]: which strategy a move runs (`auto` from VFIO's answer; `vfio-migrate`
-//!   refused for a function that cannot);
+//! - [`strategy`]: which strategy a move runs (`auto` from the source VMM's migration
+//!   blockers, the function's driver in sysfs and the destination's device; `hot` refused
+//!   for a device that cannot move with the VM);
 //! - [`agent`]: the host side of the guest-agent protocol, checking untrusted answers;
 //! - [`unmanaged`]: the guest's RDMA programs without the library, and what a move did to
 //!   them;
@@ -68,4 +67,3 @@ pub mod timeline;
 pub mod unmanaged;
 pub mod vf_mac;
 pub mod vfio;
-pub mod vfio_migrate;

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use rdmamig_proto::agent::QuiesceMode;
 use rdmamig_vmm::{DeviceSpec, MigrationLimits};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -25,12 +26,15 @@ pub enum Strategy {
     Bridge,
     /// The baseline operators use today: unplug, migrate, plug; no agent, no quiesce.
     Naive,
-    /// The VMM moves the passthrough function's device state (VFIO migration uAPI v2); the
-    /// function is not unplugged; connections are quiesced around the migration and
-    /// resumed after it. Never run on hardware.
-    VfioMigrate,
-    /// vfio-migrate when VFIO says the source's function supports VFIO migration,
-    /// reconnect otherwise; the report says why.
+    /// The device stays plugged and the VMM moves its state with the VM (an emulated NIC,
+    /// or a VF on a migration-capable variant driver): every connection pauses at a
+    /// sequence boundary right before the switchover, keeps its QP, and is confirmed on it
+    /// after the move. `vfio-migrate` is its former name.
+    #[serde(alias = "vfio_migrate")]
+    #[value(alias = "vfio-migrate")]
+    Hot,
+    /// hot when the source VMM, the source's function and the destination VMM say the
+    /// device can move with the VM, reconnect otherwise; the report says why.
     Auto,
 }
 
@@ -40,7 +44,7 @@ impl std::fmt::Display for Strategy {
             Strategy::Reconnect => "reconnect",
             Strategy::Bridge => "bridge",
             Strategy::Naive => "naive",
-            Strategy::VfioMigrate => "vfio-migrate",
+            Strategy::Hot => "hot",
             Strategy::Auto => "auto",
         })
     }
@@ -54,8 +58,9 @@ pub struct Steps {
     /// Why the guest's connections are left alone, when they are (prepare lists nothing,
     /// quiesce and resume are skipped, a rollback resumes nothing).
     pub uncoordinated: Option<&'static str>,
-    /// The quiesce keeps each bridged connection's traffic on its TCP bridge.
-    pub bridge: bool,
+    /// What the quiesce does to each connection (a `hot` one pauses inside the migrate
+    /// phase, right before the switchover).
+    pub quiesce: QuiesceMode,
     /// Why the device stays plugged and moves with the VM, when it does (nothing is
     /// reserved, detached, reset, given back or re-attached).
     pub device_moves: Option<&'static str>,
@@ -66,22 +71,23 @@ impl Strategy {
     pub fn steps(self) -> Steps {
         let swap = Steps {
             uncoordinated: None,
-            bridge: false,
+            quiesce: QuiesceMode::Release,
             device_moves: None,
         };
         match self {
             Strategy::Reconnect | Strategy::Auto => swap,
             Strategy::Bridge => Steps {
-                bridge: true,
+                quiesce: QuiesceMode::Bridge,
                 ..swap
             },
             Strategy::Naive => Steps {
                 uncoordinated: Some("strategy naive: connections are not coordinated"),
                 ..swap
             },
-            Strategy::VfioMigrate => Steps {
+            Strategy::Hot => Steps {
+                quiesce: QuiesceMode::Hot,
                 device_moves: Some(
-                    "strategy vfio-migrate: the function stays plugged; the VMM moves its state",
+                    "strategy hot: the device stays plugged; the VMM moves its state with the VM",
                 ),
                 ..swap
             },
@@ -605,15 +611,26 @@ pub(crate) mod tests {
             let steps = s.steps();
             (
                 steps.uncoordinated.is_none(),
-                steps.bridge,
+                steps.quiesce,
                 steps.device_moves.is_none(),
             )
         };
-        // (coordinates the connections, bridges them, swaps the device)
-        assert_eq!(of(Strategy::Reconnect), (true, false, true));
-        assert_eq!(of(Strategy::Bridge), (true, true, true));
-        assert_eq!(of(Strategy::Naive), (false, false, true));
-        assert_eq!(of(Strategy::VfioMigrate), (true, false, false));
+        // (coordinates the connections, what their quiesce does, swaps the device)
+        assert_eq!(of(Strategy::Reconnect), (true, QuiesceMode::Release, true));
+        assert_eq!(of(Strategy::Bridge), (true, QuiesceMode::Bridge, true));
+        assert_eq!(of(Strategy::Naive), (false, QuiesceMode::Release, true));
+        assert_eq!(of(Strategy::Hot), (true, QuiesceMode::Hot, false));
+    }
+
+    #[test]
+    fn plans_and_journals_that_say_vfio_migrate_run_hot() {
+        let old: Strategy = serde_json::from_str("\"vfio_migrate\"").unwrap();
+        assert_eq!(old, Strategy::Hot);
+        assert_eq!(
+            <Strategy as clap::ValueEnum>::from_str("vfio-migrate", false),
+            Ok(Strategy::Hot)
+        );
+        assert_eq!(serde_json::to_string(&Strategy::Hot).unwrap(), "\"hot\"");
     }
 
     #[test]

@@ -28,8 +28,6 @@ use vfio_bindings::bindings::vfio::{vfio_device_info, VFIO_DEVICE_FLAGS_RESET};
 use vfio_ioctls::{VfioContainer, VfioDevice};
 use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use crate::vfio_migrate::{auto_picks_vfio_migrate, MigError, MigState, MigratableDevice};
-
 /// The driver a passthrough function must be bound to.
 pub const VFIO_DRIVER: &str = "vfio-pci";
 
@@ -173,14 +171,6 @@ pub enum VfioError {
         /// What vm-memory said.
         #[source]
         source: vm_memory::mmap::FromRangesError,
-    },
-    /// The device cannot migrate its state (strategy `vfio-migrate` needs STOP_COPY).
-    #[error("PCI device {address} does not support VFIO migration (flags {flags:#x})")]
-    NoMigration {
-        /// The device.
-        address: String,
-        /// What it reported.
-        flags: u64,
     },
     /// The migration support query failed.
     #[error("cannot query VFIO migration support of {address}")]
@@ -484,63 +474,15 @@ impl VfioFunction {
         }
     }
 
-    /// The device's VFIO migration (uAPI v2) capabilities, `None` when it cannot migrate:
-    /// this decides whether strategy `auto` may pick `vfio-migrate`.
+    /// The device's VFIO migration (uAPI v2) capabilities, `None` when it cannot migrate
+    /// (`rdmamig-vfio-check` reports it for a free function; a move never opens a function
+    /// its VMM holds).
     pub fn migration_support(&self) -> Result<Option<u64>, VfioError> {
         self.device
             .query_migration_support()
             .map_err(|source| VfioError::Migration {
                 address: self.address.clone(),
                 source,
-            })
-    }
-}
-
-/// A function's VFIO migration interface (uAPI v2), for strategy `vfio-migrate`.
-pub struct VfioMigration<'a> {
-    function: &'a VfioFunction,
-    flags: u64,
-}
-
-impl VfioFunction {
-    /// The migration interface, or why the device has none.
-    pub fn migration(&self) -> Result<VfioMigration<'_>, VfioError> {
-        match self.migration_support()? {
-            Some(flags) if auto_picks_vfio_migrate(Some(flags)) => Ok(VfioMigration {
-                function: self,
-                flags,
-            }),
-            other => Err(VfioError::NoMigration {
-                address: self.address.clone(),
-                flags: other.unwrap_or(0),
-            }),
-        }
-    }
-}
-
-impl MigratableDevice for VfioMigration<'_> {
-    fn flags(&self) -> u64 {
-        self.flags
-    }
-
-    fn state(&self) -> MigState {
-        self.function
-            .device
-            .get_migration_state()
-            .ok()
-            .and_then(MigState::from_uapi)
-            .unwrap_or(MigState::Error)
-    }
-
-    fn set_state(&mut self, to: MigState) -> Result<(), MigError> {
-        let from = self.state();
-        self.function
-            .device
-            .set_migration_state(to as u32)
-            .map_err(|e| MigError::Refused {
-                from,
-                to,
-                reason: e.to_string(),
             })
     }
 }

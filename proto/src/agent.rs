@@ -43,8 +43,14 @@ pub enum AgentCommand {
         /// until the RDMA path is back (the others quiesce as for `reconnect`).
         #[serde(default)]
         bridge: bool,
+        /// Strategy `hot`: every connection stops posting at a sequence boundary and keeps
+        /// its QP; nothing is released (the device moves with the VM).
+        #[serde(default)]
+        hot: bool,
     },
-    /// Wait for the (new) RDMA device and reconnect every quiesced connection.
+    /// Wait for the (new) RDMA device and reconnect every quiesced connection; a connection
+    /// paused by a `hot` quiesce is confirmed on its own QP instead (a probe round trip),
+    /// and reconnects only if that QP did not survive.
     Resume {
         /// Time the agent may take, in milliseconds.
         deadline_ms: u64,
@@ -62,6 +68,41 @@ pub enum AgentCommand {
         #[serde(default)]
         scope: ReleaseScope,
     },
+}
+
+/// What a quiesce does to each connection: the strategy's part in the guest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QuiesceMode {
+    /// PAUSE, PAUSE_ACK, disconnect and release the device (`reconnect`).
+    #[default]
+    Release,
+    /// As `Release`, carrying the messages over the TCP bridge meanwhile (`bridge`).
+    Bridge,
+    /// PAUSE and PAUSE_ACK only: the QP, its CQ, MRs and PD stay (`hot`).
+    Hot,
+}
+
+impl QuiesceMode {
+    /// Every mode.
+    pub const ALL: [QuiesceMode; 3] = [QuiesceMode::Release, QuiesceMode::Bridge, QuiesceMode::Hot];
+
+    /// The mode the wire's two flags name (`hot` wins: it keeps everything).
+    pub fn from_flags(bridge: bool, hot: bool) -> QuiesceMode {
+        match (bridge, hot) {
+            (_, true) => QuiesceMode::Hot,
+            (true, false) => QuiesceMode::Bridge,
+            (false, false) => QuiesceMode::Release,
+        }
+    }
+
+    /// The wire's flags for this mode: (`bridge`, `hot`).
+    pub fn flags(self) -> (bool, bool) {
+        match self {
+            QuiesceMode::Release => (false, false),
+            QuiesceMode::Bridge => (true, false),
+            QuiesceMode::Hot => (false, true),
+        }
+    }
 }
 
 /// Which processes a [`AgentCommand::ReleaseDevice`] makes let go.
@@ -194,6 +235,7 @@ impl ConnectionOutcome {
     pub fn into_printable(self) -> ConnectionOutcome {
         ConnectionOutcome {
             error: self.error.map(|e| crate::text::printable(&e, TEXT_LEN)),
+            fell_back: self.fell_back.map(|e| crate::text::printable(&e, TEXT_LEN)),
             ..self
         }
     }
@@ -219,6 +261,8 @@ pub enum ConnectionState {
     Established,
     /// Quiescing: no new sends posted, waiting for the peer's PAUSE_ACK and the disconnect.
     Pausing,
+    /// Paused by a `hot` quiesce: nothing posted on either side, the QP kept.
+    Paused,
     /// Quiesced: every RDMA resource released, messages kept for replay.
     Quiesced,
     /// Waiting for the peer to come back (the peer moved or its path broke).
@@ -255,6 +299,9 @@ pub struct ConnectionInfo {
     /// A TCP bridge is open beside the RDMA path (strategy `bridge` can carry it).
     #[serde(default)]
     pub bridge: bool,
+    /// The number of the QP that carries it now, if it has one (a `hot` move keeps it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qp: Option<u32>,
 }
 
 /// A guest process that holds an RDMA device without rdmamig's library: a move breaks it.
@@ -301,12 +348,35 @@ pub struct ConnectionOutcome {
     pub elapsed_ms: u64,
     /// What failed, when `ok` is false.
     pub error: Option<String>,
+    /// Why a connection paused by a `hot` quiesce did not go on on its QP and reconnected
+    /// instead (the QP did not survive the move).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back: Option<String>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Frame;
+
+    #[test]
+    fn a_quiesce_mode_survives_the_wire_flags() {
+        for mode in QuiesceMode::ALL {
+            let (bridge, hot) = mode.flags();
+            assert_eq!(QuiesceMode::from_flags(bridge, hot), mode);
+        }
+        // An older host sends no `hot`: a plain quiesce.
+        let old: AgentCommand =
+            serde_json::from_str(r#"{"op":"quiesce","deadline_ms":5,"bridge":true}"#).unwrap();
+        assert_eq!(
+            old,
+            AgentCommand::Quiesce {
+                deadline_ms: 5,
+                bridge: true,
+                hot: false
+            }
+        );
+    }
 
     #[test]
     fn every_text_of_a_result_is_made_printable() {
@@ -318,6 +388,7 @@ mod tests {
                 ok: false,
                 elapsed_ms: 0,
                 error: Some(evil.clone()),
+                fell_back: None,
             }],
             elapsed_ms: 0,
         };
@@ -366,6 +437,12 @@ mod tests {
             AgentCommand::Quiesce {
                 deadline_ms: 5000,
                 bridge: true,
+                hot: false,
+            },
+            AgentCommand::Quiesce {
+                deadline_ms: 5000,
+                bridge: false,
+                hot: true,
             },
             AgentCommand::Resume { deadline_ms: 9000 },
             AgentCommand::ReleaseDevice {

@@ -67,6 +67,9 @@ pub enum AgentToApp {
         /// `bridge`).
         #[serde(default)]
         bridge: bool,
+        /// Pause at a sequence boundary and keep every QP (strategy `hot`).
+        #[serde(default)]
+        hot: bool,
     },
     /// Reconnect every quiesced connection on the current device within the deadline.
     Resume {
@@ -104,6 +107,7 @@ mod tests {
                         ok: false,
                         elapsed_ms: 3,
                         error: Some("peer did not acknowledge PAUSE".into()),
+                        fell_back: None,
                     }],
                 },
             },

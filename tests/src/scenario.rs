@@ -39,6 +39,10 @@ pub enum Strategy {
     Bridge,
     /// What operators do today: unplug, migrate, plug; applications reconnect on their own.
     Naive,
+    /// The NIC migrates with the VM (an emulated NIC with Soft-RoCE: the test bed's stand-in
+    /// for a migration-capable VF); the connections pause right before the switchover and
+    /// keep their QPs.
+    Hot,
 }
 
 impl Strategy {
@@ -48,13 +52,14 @@ impl Strategy {
             Strategy::Reconnect => "reconnect",
             Strategy::Bridge => "bridge",
             Strategy::Naive => "naive",
+            Strategy::Hot => "hot",
         }
     }
 
     /// The traffic tool's connection mode for the strategy.
     fn traffic_mode(self) -> &'static str {
         match self {
-            Strategy::Reconnect | Strategy::Bridge => "migratable",
+            Strategy::Reconnect | Strategy::Bridge | Strategy::Hot => "migratable",
             Strategy::Naive => "plain",
         }
     }
@@ -378,7 +383,8 @@ pub fn run(
 ) -> Result<ScenarioOutcome, ScenarioError> {
     let tag = config.strategy.migrator_name();
     let steps::MoveGuests { peer, src, dst } =
-        steps::MoveGuests::start(bed, tag).map_err(Box::new)?;
+        steps::MoveGuests::start_with(bed, tag, config.strategy == Strategy::Hot)
+            .map_err(Box::new)?;
     let peer_spec = peer.spec().clone();
 
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;

@@ -349,9 +349,21 @@ pub struct MoveGuests {
 impl MoveGuests {
     /// Boots `<prefix>-peer` and `<prefix>-src` side by side, then starts `<prefix>-dst`.
     pub fn start(bed: &Testbed, prefix: &str) -> Result<MoveGuests, TestbedError> {
+        MoveGuests::start_with(bed, prefix, false)
+    }
+
+    /// [`MoveGuests::start`], with the destination started with the same RDMA NIC as the
+    /// source (`dst_nic`: a `hot` move migrates the NIC instead of plugging one; on its own
+    /// tap of the same bridge).
+    pub fn start_with(
+        bed: &Testbed,
+        prefix: &str,
+        dst_nic: bool,
+    ) -> Result<MoveGuests, TestbedError> {
         let peer_spec = bed.guest_spec(&format!("{prefix}-peer"))?;
         let src_spec = bed.guest_spec(&format!("{prefix}-src"))?;
-        let dst_spec = bed.incoming_spec(&src_spec, &format!("{prefix}-dst"))?;
+        let mut dst_spec = bed.incoming_spec(&src_spec, &format!("{prefix}-dst"))?;
+        dst_spec.with_nic = dst_nic;
         let (peer, src) = std::thread::scope(|s| {
             let peer = s.spawn(|| bed.start_guest(peer_spec));
             let src = s.spawn(|| bed.start_guest(src_spec));

@@ -10,10 +10,11 @@
 //! the destination act outside the source's moves: a `Discard` of a VMM outside the
 //! destination's `vmm_paths` (the peer VM), a `Discard` of one no move of the source readied,
 //! and a host device plugged without a pool function are refused, logged with the peer, and
-//! nothing is stopped. Strategy `vfio-migrate` is refused for the
-//! source's function, an emulated NIC, before anything happens; the move itself runs with
-//! `auto`, which picks `reconnect` for that function and says why. Nothing is lost,
-//! duplicated or reordered.
+//! nothing is stopped. Strategy `hot`, asked for by its former name `vfio-migrate`, is
+//! refused for a source function this host's pool does not have, before anything happens;
+//! the move itself runs with `auto`, which picks `reconnect` (the destination migrator's
+//! VMM was not asked whether it has the NIC that `hot` would migrate) and says why. Nothing
+//! is lost, duplicated or reordered.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -280,24 +281,23 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         "the refusals are not logged with the peer: {log}"
     );
 
-    // vfio-migrate on a function that cannot: refused before anything happens.
+    // hot (by its former name) for a function this host does not have: refused before
+    // anything happens.
     let out = migrate_command(source.socket(), &guests.src, &guests.dst)
         .args(["--destination-migrator", "dst", "--from-pool"])
-        .args(["--strategy", "vfio-migrate", "--source-function", "tap0"])
+        .args(["--strategy", "vfio-migrate", "--source-function", "tap9"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stderr}");
-    assert_eq!(out.status.code(), Some(3), "vfio-migrate was not refused");
+    assert_eq!(out.status.code(), Some(3), "hot was not refused");
     assert!(
-        stderr.contains(
-            "strategy vfio-migrate refused: function tap0 is an emulated NIC, not a VFIO device"
-        ),
+        stderr.contains("strategy hot refused: function tap9 is not in this host's pool"),
         "{stderr}"
     );
     assert_eq!(pool_state(&destination, "tap1")["state"], "free");
 
-    // The move, through the destination migrator, with the strategy VFIO decides.
+    // The move, through the destination migrator, with the strategy auto decides.
     let (code, _, report) = migrate(
         &source,
         &guests,
@@ -345,7 +345,8 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
     let reason = details("prepare")["strategy_reason"].clone();
     assert_eq!(
         reason,
-        "auto picked reconnect: function tap0 is an emulated NIC, not a VFIO device"
+        "auto picked reconnect: the destination VMM was not asked whether it has the device \
+         (another migrator's, or a workflow's): ask for --strategy hot to move it anyway"
     );
     // The destination migrator did each duty for the source, over the channel.
     let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log")).unwrap();

@@ -565,6 +565,14 @@ impl CmId {
         self.qp.is_some()
     }
 
+    /// The number of this id's QP, if it has one (a QP that moves with its VM keeps it).
+    pub fn qp_num(&self) -> Option<u32> {
+        self.qp.as_ref()?;
+        // SAFETY: valid id; rdma_create_qp set `qp` to a live QP, which lives until
+        // `destroy_qp` clears `self.qp` (checked above).
+        Some(unsafe { (*(*self.raw()).qp).qp_num })
+    }
+
     /// Destroys the QP (if any); posted work requests are gone with it.
     ///
     /// The QP is first moved to the error state, which flushes its work requests: Soft-RoCE

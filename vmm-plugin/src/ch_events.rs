@@ -172,6 +172,7 @@ pub fn progress(event: &Event, elapsed_ms: u64) -> Option<MigrationProgress> {
         ram_remaining: None,
         ram_total: None,
         mbps: None,
+        ram_syncs: None,
         error,
         vm_stopped_at: None,
     })

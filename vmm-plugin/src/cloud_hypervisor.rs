@@ -42,7 +42,7 @@ use tokio::task::JoinHandle;
 use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request};
 use crate::ch_events::{self, EventReader};
 use crate::{vsock, AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
-use crate::{MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError};
+use crate::{Held, MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError};
 
 /// [`VmStatus::state`] of a Cloud Hypervisor that holds no VM (`vm.info` answers 404).
 pub const NO_VM: &str = "no VM";
@@ -493,6 +493,38 @@ impl Vmm for ChVmm {
         Ok(())
     }
 
+    async fn migration_blockers(&self) -> Result<Vec<String>, VmmError> {
+        Err(VmmError::Unsupported {
+            operation: "list migration blockers",
+            vmm: "Cloud Hypervisor",
+            reason: "its API does not say whether a VM can migrate before it tries".into(),
+        })
+    }
+
+    async fn send_migration_held(
+        &self,
+        _uri: &str,
+        _limits: &MigrationLimits,
+        _deadline: Duration,
+    ) -> Result<Held, VmmError> {
+        Err(VmmError::Unsupported {
+            operation: "hold a migration before its switchover",
+            vmm: "Cloud Hypervisor",
+            reason: "vm.send-migration decides its switchover alone; its event monitor's \
+                     `pausing` event comes as the VM stops, too late to pause the guest's \
+                     senders"
+                .into(),
+        })
+    }
+
+    async fn release_switchover(&self, _limits: &MigrationLimits) -> Result<(), VmmError> {
+        Err(VmmError::Unsupported {
+            operation: "release a held switchover",
+            vmm: "Cloud Hypervisor",
+            reason: "it holds no switchover".into(),
+        })
+    }
+
     async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError> {
         let events = match &self.config.event_monitor {
             Some(path) => {
@@ -578,6 +610,7 @@ impl Vmm for ChVmm {
                         ram_remaining: None,
                         ram_total: None,
                         mbps: None,
+                        ram_syncs: None,
                         error: None,
                         vm_stopped_at: None,
                     };

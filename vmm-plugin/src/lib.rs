@@ -130,6 +130,27 @@ pub trait Vmm: Send + Sync {
     /// started. Starting is not succeeding: only [`Vmm::wait_migration`] says how it ended.
     async fn send_migration(&self, uri: &str, limits: &MigrationLimits) -> Result<(), VmmError>;
 
+    /// Why this VM cannot migrate as it is, in the VMM's words (QEMU's migration blockers:
+    /// a device without migration support names itself); empty when nothing blocks it.
+    /// [`VmmError::Unsupported`] from a VMM that cannot tell.
+    async fn migration_blockers(&self) -> Result<Vec<String>, VmmError>;
+
+    /// Starts sending this VM to `uri` like [`Vmm::send_migration`], but holds the migration
+    /// short of its switchover: memory is copied while the guest runs, and the VMM does not
+    /// stop the VM until [`Vmm::release_switchover`]. Returns once the copy is as far as it
+    /// gets without the stop (the last moment to pause the guest's senders), within
+    /// `deadline`. [`Held::SwitchedOver`] when the VMM stopped the VM before the hold took.
+    /// [`VmmError::Unsupported`] from a VMM that cannot hold a switchover (nothing started).
+    async fn send_migration_held(
+        &self,
+        uri: &str,
+        limits: &MigrationLimits,
+        deadline: Duration,
+    ) -> Result<Held, VmmError>;
+
+    /// Lets a migration held by [`Vmm::send_migration_held`] switch over within `limits`.
+    async fn release_switchover(&self, limits: &MigrationLimits) -> Result<(), VmmError>;
+
     /// Waits until the outgoing migration completes, calling `progress` with every sample.
     /// The completed sample carries the guest's stop time where the VMM tells
     /// ([`MigrationProgress::vm_stopped_at`]).
@@ -164,6 +185,16 @@ pub trait Vmm: Send + Sync {
     /// Whether the VM has a device with this id (a migrator that restarted mid-move asks
     /// before it re-attaches or detaches anything).
     async fn has_device(&self, id: &str) -> Result<bool, VmmError>;
+}
+
+/// Where a migration started by [`Vmm::send_migration_held`] stands when the call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Held short of the switchover: the guest runs until [`Vmm::release_switchover`].
+    Ready,
+    /// The VMM stopped the VM for its switchover before the hold took (or the migration
+    /// ended): the guest can no longer be asked for anything on this side.
+    SwitchedOver,
 }
 
 /// Why a VMM operation failed.

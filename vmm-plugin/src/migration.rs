@@ -228,6 +228,10 @@ pub struct MigrationProgress {
     pub ram_total: Option<u64>,
     /// Throughput, in Mbit/s.
     pub mbps: Option<f64>,
+    /// How many times the dirty memory was synchronised (QEMU's `dirty-sync-count`: 2 once
+    /// the first pass over all memory is done).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_syncs: Option<u64>,
     /// Why the migration failed, when it did (QEMU's `error-desc`).
     pub error: Option<String>,
     /// On a completed migration's sample: when the source stopped the guest for the
@@ -255,6 +259,7 @@ impl MigrationProgress {
             ram_remaining: ram_field("remaining"),
             ram_total: ram_field("total"),
             mbps: ram.and_then(|r| r.get("mbps")).and_then(Value::as_f64),
+            ram_syncs: ram_field("dirty-sync-count"),
             error: answer
                 .get("error-desc")
                 .and_then(Value::as_str)

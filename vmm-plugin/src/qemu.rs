@@ -22,7 +22,7 @@ use tokio::net::UnixStream;
 
 use crate::qmp::{EventStream, QmpClient, QmpError};
 use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
-use crate::{MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
+use crate::{Held, MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
 use crate::{VmPhase, VmStatus, VmmError};
 
 /// How to reach one QEMU process.
@@ -69,6 +69,26 @@ struct MigrationTimeout {
 
 /// The largest `downtime-limit` QEMU accepts (2000 s): with it any migration converges.
 const UNLIMITED_DOWNTIME_MS: u64 = 2_000_000;
+
+/// QEMU's default `downtime-limit`, which a released switchover goes back to when the
+/// limits name none.
+const DEFAULT_DOWNTIME: Duration = Duration::from_millis(300);
+
+/// How a held migration keeps QEMU from switching over: it switches over once what is
+/// left to send fits in `avail-switchover-bandwidth` x `downtime-limit`; 1000 B/s x 1 ms is
+/// one byte, less than one page, so it switches over only after a pass in which the guest
+/// dirtied no memory at all: no RDMA traffic came in or went out then. (With less than one
+/// byte QEMU 10.0 switches over as soon as its first pass is sent.)
+const HOLD_SWITCHOVER_BANDWIDTH: u64 = 1000;
+const HOLD_DOWNTIME_MS: u64 = 1;
+
+/// The switchover bandwidth a released migration assumes (10 GB/s): with it the little
+/// that is left fits the downtime limit at QEMU's next check (every 100 ms), instead of
+/// waiting for QEMU to measure its throughput again after the hold.
+const RELEASE_SWITCHOVER_BANDWIDTH: u64 = 10_000_000_000;
+
+/// How often a held migration's progress is read while its first pass runs.
+const HOLD_POLL: Duration = Duration::from_millis(10);
 
 /// A QEMU process driven over QMP.
 #[derive(Debug)]
@@ -222,6 +242,23 @@ impl QemuVmm {
             reason: format!("no status in {answer}"),
         })
     }
+}
+
+/// The reasons in a `query-migrate` answer why the VM cannot migrate (QEMU lists them
+/// whether or not a migration runs: devices without migration state, explicit blockers
+/// such as a vfio-pci device without a migration driver).
+fn blocked_reasons(answer: &Value) -> Vec<String> {
+    answer
+        .get("blocked-reasons")
+        .and_then(Value::as_array)
+        .map(|reasons| {
+            reasons
+                .iter()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Translates a QMP failure into the kinds callers act on.
@@ -416,6 +453,70 @@ impl Vmm for QemuVmm {
         .map(drop)
     }
 
+    async fn migration_blockers(&self) -> Result<Vec<String>, VmmError> {
+        let answer = self
+            .run("query migration blockers", "", "query-migrate", None)
+            .await?;
+        Ok(blocked_reasons(&answer))
+    }
+
+    async fn send_migration_held(
+        &self,
+        uri: &str,
+        limits: &MigrationLimits,
+        deadline: Duration,
+    ) -> Result<Held, VmmError> {
+        let end = Instant::now() + deadline;
+        self.run(
+            "hold the switchover",
+            uri,
+            "migrate-set-parameters",
+            Some(json!({
+                "avail-switchover-bandwidth": HOLD_SWITCHOVER_BANDWIDTH,
+                "downtime-limit": HOLD_DOWNTIME_MS,
+            })),
+        )
+        .await?;
+        let held = MigrationLimits {
+            downtime: Some(Duration::from_millis(HOLD_DOWNTIME_MS)),
+            ..*limits
+        };
+        self.send_migration(uri, &held).await?;
+        loop {
+            let sample = self.query_migrate().await?;
+            match sample.status {
+                // The first pass over memory is sent and the dirty memory synchronised:
+                // from here QEMU only sends what the guest dirties, as far as it gets.
+                MigrationStatus::Active if sample.ram_syncs.is_some_and(|n| n >= 2) => {
+                    return Ok(Held::Ready)
+                }
+                MigrationStatus::Setup | MigrationStatus::Active => {}
+                _ => return Ok(Held::SwitchedOver),
+            }
+            if Instant::now() >= end {
+                return Err(VmmError::TimedOut {
+                    operation: "the migration's first pass over memory",
+                    deadline_ms: millis(deadline),
+                });
+            }
+            tokio::time::sleep(HOLD_POLL.min(end - Instant::now())).await;
+        }
+    }
+
+    async fn release_switchover(&self, limits: &MigrationLimits) -> Result<(), VmmError> {
+        self.run(
+            "release the switchover",
+            "",
+            "migrate-set-parameters",
+            Some(json!({
+                "avail-switchover-bandwidth": RELEASE_SWITCHOVER_BANDWIDTH,
+                "downtime-limit": millis(limits.downtime.unwrap_or(DEFAULT_DOWNTIME)),
+            })),
+        )
+        .await
+        .map(drop)
+    }
+
     async fn wait_migration(
         &self,
         deadline: Duration,
@@ -573,6 +674,21 @@ impl Vmm for QemuVmm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn migration_blockers_are_read_from_query_migrate() {
+        // QEMU 10 lists them whether or not a migration runs; a passthrough function on
+        // plain vfio-pci (no migration driver) blocks with its own words.
+        let blocked = json!({"blocked-reasons": [
+            "0000:3b:00.2: VFIO migration is not supported in kernel"
+        ]});
+        assert_eq!(
+            blocked_reasons(&blocked),
+            ["0000:3b:00.2: VFIO migration is not supported in kernel"]
+        );
+        assert!(blocked_reasons(&json!({})).is_empty());
+        assert!(blocked_reasons(&json!({"status": "active", "blocked-reasons": []})).is_empty());
+    }
 
     #[test]
     fn qemu_error_classes_map_to_kinds() {

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, Role};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionState, QuiesceMode, Role};
 use rdmamig_proto::ConnectionId;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
@@ -275,10 +275,10 @@ impl Connection {
         self.shared.lock().stats.clone()
     }
 
-    /// Quiesces this connection (as the agent would): see the module docs. With `bridge`,
-    /// messages go on over the TCP bridge (if one is open) until the RDMA path is back.
-    pub fn quiesce(&self, timeout: Duration, bridge: bool) -> Result<(), ConnError> {
-        self.control("quiesce", timeout, |sh, d| sh.quiesce(d, bridge))
+    /// Quiesces this connection (as the agent would): see the module docs. `mode` says
+    /// whether messages go on over the TCP bridge meanwhile, or whether the QP is kept.
+    pub fn quiesce(&self, timeout: Duration, mode: QuiesceMode) -> Result<(), ConnError> {
+        self.control("quiesce", timeout, |sh, d| sh.quiesce(d, mode))
     }
 
     /// Resumes this connection (as the agent would).

@@ -287,6 +287,14 @@ pub(super) fn process(
                 p.got_ack = true;
             }
         }
+        Kind::Continue => {
+            // The peer paused with its QP kept and is back on it: send again.
+            link.peer_paused = None;
+            link.peer_bridging = false;
+            link.owe_pause_ack = false;
+            link.pause_ack_sent = false;
+            *delivered = true; // wakes senders waiting for room
+        }
         Kind::Close => {
             st.peer_closed = true;
             *delivered = true;

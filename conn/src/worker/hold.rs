@@ -12,30 +12,48 @@ use super::Worker;
 use crate::control::ControlError;
 use crate::failure::{Failure, LinkEvent};
 use crate::reply::Reply;
-use crate::wire::{Kind, FLAG_BRIDGE, FLAG_MOVING};
+use crate::wire::{Kind, FLAG_BRIDGE, FLAG_HOT, FLAG_MOVING};
+use rdmamig_proto::agent::QuiesceMode;
 use rdmamig_verbs::{refresh_device_list, CmEventKind};
 
-/// How long to wait for DISCONNECTED after rdma_disconnect.
 /// How often the device list is refreshed while the connection holds no device.
 pub(super) const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// How long to wait for DISCONNECTED after rdma_disconnect.
 pub(super) const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
 
+/// How long a QP kept by a `hot` pause has to carry the probe's round trip once the resume
+/// asks for it; past it the connection gives the QP up and reconnects.
+pub(super) const CONFIRM_WAIT: Duration = Duration::from_secs(3);
+
 impl Worker {
-    pub(super) fn on_quiesce(&mut self, deadline: Instant, bridge: bool, reply: Reply) {
+    pub(super) fn on_quiesce(&mut self, deadline: Instant, mode: QuiesceMode, reply: Reply) {
         if let Some((_, r)) = self.resume_op.take() {
             let _ = r.send(Err(ControlError::QuiesceBeforeResume));
         }
-        if bridge {
+        if self.phase == Phase::Paused {
+            // Already paused with the QP kept: a second `hot` quiesce has nothing to do,
+            // and any other would have to break a link that a resume may still confirm.
+            let _ = reply.send(match mode {
+                QuiesceMode::Hot => Ok(()),
+                QuiesceMode::Release | QuiesceMode::Bridge => Err(ControlError::InvalidState {
+                    op: "quiesce",
+                    state: self.phase.name(),
+                }),
+            });
+            return;
+        }
+        if mode == QuiesceMode::Bridge {
             self.start_bridging();
         }
+        self.sh.lock().fell_back = None;
         let bridging = self.bridging;
         match &mut self.link {
             Some(link) => {
                 if link.pause.is_none() {
                     link.pause = Some(Pause {
                         bridge: bridging,
+                        hot: mode == QuiesceMode::Hot,
                         ..Pause::default()
                     });
                 }
@@ -48,7 +66,7 @@ impl Worker {
             }
             None => {
                 // Without a link the connection holds at once (again: a second quiesce
-                // renews the hold).
+                // renews the hold); a `hot` one too: its resume reconnects.
                 self.down_until = Instant::now() + self.sh.opts.peer_wait;
                 let held = self.phase == Phase::Held || self.enter(Phase::Held);
                 if held {
@@ -59,7 +77,20 @@ impl Worker {
     }
 
     pub(super) fn on_resume(&mut self, deadline: Instant, reply: Reply) {
-        if let Some(link) = &self.link {
+        if let Some(link) = &mut self.link {
+            let hot = link.pause.as_mut().filter(|p| p.hot);
+            if let Some(pause) = hot {
+                // Confirm the kept QP (a `hot` pause that has not finished is confirmed the
+                // same way: its PAUSE may have reached the peer).
+                pause.confirm = true;
+                if let Some((_, r)) = self.quiesce_op.take() {
+                    let _ = r.send(Err(ControlError::Superseded));
+                }
+                if let Some((_, r)) = self.resume_op.replace((deadline, reply)) {
+                    let _ = r.send(Err(ControlError::Superseded));
+                }
+                return;
+            }
             if link.pause.is_some() {
                 let _ = reply.send(Err(ControlError::QuiesceInProgress));
             } else {
@@ -98,7 +129,7 @@ impl Worker {
             }
             match ev.kind {
                 CmEventKind::Disconnected => {
-                    let expected = link.pause.is_some()
+                    let expected = link.pause.as_ref().is_some_and(|p| !p.hot)
                         || link.peer_paused.is_some()
                         || link.close_sent
                         || link.disconnecting.is_some()
@@ -130,20 +161,53 @@ impl Worker {
         }
         if let Some(p) = &mut link.pause {
             if !p.sent
+                && !p.confirm
                 && link.slots.in_flight() == 0
                 && link.credits.can_send_control()
                 && link.slots.free() > 0
             {
                 p.sent = true;
-                let flags = if p.bridge {
-                    FLAG_MOVING | FLAG_BRIDGE
-                } else {
-                    FLAG_MOVING
-                };
+                let flags = FLAG_MOVING
+                    | if p.bridge { FLAG_BRIDGE } else { 0 }
+                    | if p.hot { FLAG_HOT } else { 0 };
                 if let Err(e) = link.post(Kind::Pause, flags, 0, &[], last_received) {
                     failure = Some(LinkEvent::from(e));
                 }
             }
+        }
+        let mut confirmed = false;
+        let hot = link.pause.as_ref().filter(|p| p.hot);
+        let paused = hot.is_some_and(|p| p.got_ack && !p.confirm) && self.phase == Phase::Quiescing;
+        match hot.map(|p| (p.confirm, p.probe_sent)) {
+            // The resume (or the hold's end) asks for the kept QP's proof: a probe, posted
+            // once nothing else is in flight, so that its completion means the QP carried a
+            // round trip after the move.
+            Some((true, None)) if link.slots.in_flight() == 0 && link.free_slots() > 0 => {
+                match link.post_probe() {
+                    Ok(()) => {
+                        if let Some(p) = &mut link.pause {
+                            p.probe_sent = Some(now);
+                        }
+                    }
+                    Err(e) => failure = Some(LinkEvent::from(e)),
+                }
+            }
+            Some((true, Some(_))) if link.slots.in_flight() == 0 && link.can_post_control() => {
+                match link.post(Kind::Continue, 0, 0, &[], last_received) {
+                    Ok(()) => confirmed = true,
+                    Err(e) => failure = Some(LinkEvent::from(e)),
+                }
+            }
+            Some((true, Some(at))) if now.duration_since(at) > CONFIRM_WAIT => {
+                failure = Some(LinkEvent::Deadline {
+                    deadline: "confirm (3 s)",
+                    what: "the probe on the kept QP",
+                });
+            }
+            _ => {}
+        }
+        if confirmed {
+            link.pause = None;
         }
         if let Some((deadline, _)) = &self.close_op {
             let drained = {
@@ -158,7 +222,7 @@ impl Worker {
                 }
             }
         }
-        let want_disconnect = link.pause.as_ref().is_some_and(|p| p.got_ack)
+        let want_disconnect = link.pause.as_ref().is_some_and(|p| p.got_ack && !p.hot)
             || (link.close_sent && link.slots.in_flight() == 0);
         if want_disconnect && link.disconnecting.is_none() {
             link.disconnecting = Some(now);
@@ -181,12 +245,38 @@ impl Worker {
         {
             failure = Some(LinkEvent::Deadline {
                 deadline: "peer_wait",
-                what: "the paused peer to disconnect",
+                what: "the paused peer to continue or disconnect",
             });
+        }
+        if self.phase == Phase::Paused && now >= self.down_until && failure.is_none() && !confirmed
+        {
+            // No resume came within `peer_wait`: confirm on our own (the forced path).
+            if let Some(p) = &mut link.pause {
+                p.confirm = true;
+            }
         }
         if let Some(f) = failure {
             let expected = link.disconnecting.is_some();
             self.link_lost(f, expected);
+            return;
+        }
+        if paused {
+            // The peer stopped too, at the same sequence boundary: the QP is kept as it is.
+            self.down_until = now + self.sh.opts.peer_wait;
+            if self.enter(Phase::Paused) {
+                if let Some((_, reply)) = self.quiesce_op.take() {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+        if confirmed && self.enter(Phase::Up) {
+            tracing::debug!(
+                conn = format_args!("{:016x}", self.sh.id),
+                "kept QP confirmed; sending again"
+            );
+            if let Some((_, reply)) = self.resume_op.take() {
+                let _ = reply.send(Ok(()));
+            }
         }
     }
 
@@ -195,6 +285,11 @@ impl Worker {
     pub(super) fn link_lost(&mut self, why: LinkEvent, expected: bool) {
         let Some(link) = self.link.take() else { return };
         let peer_paused = link.peer_paused.is_some();
+        if link.pause.as_ref().is_some_and(|p| p.hot) {
+            // The QP a `hot` move meant to keep is gone: the resume reconnects and replays.
+            self.sh.lock().fell_back = Some(why.to_string());
+        }
+        self.sh.lock().qp = None;
         // Messages go over the bridge, if there is one (a no-op otherwise), when the peer's
         // PAUSE asked for it, and when the link broke: a link that broke before the PAUSE
         // came left the side that stays holding its messages until the next link (a test
@@ -288,7 +383,7 @@ impl Worker {
                 }
             }
             // With a link, or ended: nothing to wait for here.
-            Phase::Connecting | Phase::Up | Phase::Quiescing | Phase::Closing => {}
+            Phase::Connecting | Phase::Up | Phase::Quiescing | Phase::Paused | Phase::Closing => {}
             Phase::Closed | Phase::Failed => {}
         }
     }

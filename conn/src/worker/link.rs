@@ -148,6 +148,12 @@ pub(super) struct Pause {
     pub(super) got_ack: bool,
     /// The PAUSE asks the peer to carry on over the bridge.
     pub(super) bridge: bool,
+    /// Strategy `hot`: the PAUSE keeps the QP; no disconnect follows the PAUSE_ACK.
+    pub(super) hot: bool,
+    /// A `hot` pause being confirmed: when the probe on the kept QP was posted.
+    pub(super) probe_sent: Option<Instant>,
+    /// A `hot` pause to confirm: post the probe as soon as a send slot allows.
+    pub(super) confirm: bool,
 }
 
 pub(super) struct Link {

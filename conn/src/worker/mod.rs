@@ -359,9 +359,9 @@ impl Worker {
             match cmd {
                 Command::Quiesce {
                     deadline,
-                    bridge,
+                    mode,
                     reply,
-                } => self.on_quiesce(deadline, bridge, reply),
+                } => self.on_quiesce(deadline, mode, reply),
                 Command::Bridge { stream, hello } => self.on_bridge(stream, hello),
                 Command::Resume { deadline, reply } => self.on_resume(deadline, reply),
                 Command::Incoming { id, hello } => self.on_incoming(id, hello).await,

@@ -371,6 +371,7 @@ impl Worker {
             .map(|a| a.to_string())
             .unwrap_or_default();
         let peer = ep.id.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let qp = ep.id.qp_num();
         let send_slots = self.depth() + EXTRA_SEND_SLOTS;
         let mut st = self.sh.lock();
         while st.outbox.front().is_some_and(|(seq, _)| *seq <= peer_last) {
@@ -408,6 +409,8 @@ impl Worker {
         st.stats.established += 1;
         st.local = local;
         st.peer = peer;
+        st.qp = qp;
+        st.stats.qps.extend(qp);
         drop(st);
         self.sh.changed();
         // Back on RDMA: the bridge stops carrying (what it had in flight arrives as

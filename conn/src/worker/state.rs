@@ -9,6 +9,13 @@
 //!   `AwaitingPeer`: the active side reconnects, the passive side waits for the peer's RESUME;
 //! - the application's close on a live link makes it `Closing` (drain, CLOSE, disconnect).
 //!
+//! A `hot` quiesce (the device moves with the VM) also goes through `Quiescing` (PAUSE with
+//! the hot flag, PAUSE_ACK) but ends `Paused`: the link stays and nothing is posted on it.
+//! The resume confirms it (a probe on the same QP, then CONTINUE) and makes it `Up`; a link
+//! lost while paused (the QP did not survive the move) makes it `AwaitingPeer`, the
+//! reconnect with replay. A resume that overtakes a `hot` quiesce confirms it the same way
+//! (`Quiescing` to `Up`).
+//!
 //! A resume makes a connection that holds no link `Resuming` (reconnecting until
 //! `peer_wait`); a new link makes `AwaitingPeer` or `Resuming` `Up` again, and so does a
 //! peer's reconnect accepted while a quiesce was breaking off (`Held` to `Up`: the RESUME
@@ -44,6 +51,9 @@ pub(crate) enum Phase {
     Quiescing,
     /// Quiesced: holds no device and does not reconnect before a resume (or `peer_wait`).
     Held,
+    /// Paused by a `hot` quiesce: the link stays, nothing is posted on it until the resume
+    /// confirms it (or `peer_wait` passes).
+    Paused,
     /// The link was lost: waiting for the peer (the active side reconnects) until
     /// `peer_wait`.
     AwaitingPeer,
@@ -61,11 +71,12 @@ pub(crate) enum Phase {
 impl Phase {
     /// Every state (for the tests that walk them all).
     #[cfg(test)]
-    pub(crate) const ALL: [Phase; 9] = [
+    pub(crate) const ALL: [Phase; 10] = [
         Phase::Connecting,
         Phase::Up,
         Phase::Quiescing,
         Phase::Held,
+        Phase::Paused,
         Phase::AwaitingPeer,
         Phase::Resuming,
         Phase::Closing,
@@ -80,6 +91,7 @@ impl Phase {
             Phase::Up => "up",
             Phase::Quiescing => "quiescing",
             Phase::Held => "held",
+            Phase::Paused => "paused",
             Phase::AwaitingPeer => "awaiting_peer",
             Phase::Resuming => "resuming",
             Phase::Closing => "closing",
@@ -101,6 +113,7 @@ impl Phase {
             Phase::Up => Some(ConnectionState::Established),
             Phase::Quiescing => Some(ConnectionState::Pausing),
             Phase::Held => Some(ConnectionState::Quiesced),
+            Phase::Paused => Some(ConnectionState::Paused),
             Phase::AwaitingPeer => Some(ConnectionState::AwaitingPeer),
             Phase::Resuming => Some(ConnectionState::Resuming),
             Phase::Closing => None,
@@ -134,7 +147,8 @@ pub(crate) fn transition(from: Phase, to: Phase) -> Result<Phase, InvalidTransit
         (_, Failed) => true,
         (Connecting, Up) => true,
         (Up, Quiescing | AwaitingPeer | Closing | Closed) => true,
-        (Quiescing, Held | Closing | Closed) => true,
+        (Quiescing, Held | Paused | Up | Closing | Closed) => true,
+        (Paused, Up | AwaitingPeer | Closing | Closed) => true,
         (Held, Up | AwaitingPeer | Resuming | Closed) => true,
         (AwaitingPeer, Up | Held | Resuming | Closed) => true,
         (Resuming, Up | Held | Closed) => true,
@@ -164,9 +178,16 @@ mod tests {
             (Up, Closed),
             (Up, Failed),
             (Quiescing, Held),
+            (Quiescing, Paused),
+            (Quiescing, Up),
             (Quiescing, Closing),
             (Quiescing, Closed),
             (Quiescing, Failed),
+            (Paused, Up),
+            (Paused, AwaitingPeer),
+            (Paused, Closing),
+            (Paused, Closed),
+            (Paused, Failed),
             (Held, Up),
             (Held, AwaitingPeer),
             (Held, Resuming),
@@ -200,7 +221,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 81);
+        assert_eq!(checked, 100);
     }
 
     #[test]

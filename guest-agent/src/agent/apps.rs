@@ -583,6 +583,7 @@ fn failed_outcomes(app: &App, error: &AppRequestError) -> Vec<ConnectionOutcome>
             ok: false,
             elapsed_ms: 0,
             error: Some(error.to_string()),
+            fell_back: None,
         })
         .collect()
 }
@@ -606,6 +607,7 @@ mod tests {
             last_received: 0,
             unacked: 0,
             bridge: false,
+            qp: None,
         }
     }
 
@@ -667,6 +669,7 @@ mod tests {
                                 ok: true,
                                 elapsed_ms: 1,
                                 error: None,
+                                fell_back: None,
                             })
                             .to_vec(),
                     },
@@ -680,6 +683,7 @@ mod tests {
                 request,
                 deadline_ms: 100,
                 bridge: false,
+                hot: false,
             },
             Instant::now() + Duration::from_secs(5),
         );
@@ -777,6 +781,7 @@ mod tests {
                 request,
                 deadline_ms: 100,
                 bridge: false,
+                hot: false,
             },
             Instant::now() + Duration::from_millis(200),
         );

@@ -75,6 +75,7 @@ impl Agent {
             AgentCommand::Quiesce {
                 deadline_ms,
                 bridge,
+                hot,
             } => {
                 let deadline = deadline_from(started, deadline_ms);
                 // Refresh what each process owns, so a process that then stops answering
@@ -84,13 +85,14 @@ impl Agent {
                     .describe(DESCRIBE_TIMEOUT.min(Duration::from_millis(deadline_ms / 4)));
                 info!(
                     connections = connections.len(),
-                    deadline_ms, bridge, "quiescing"
+                    deadline_ms, bridge, hot, "quiescing"
                 );
                 let outcomes = self.apps.drive(
                     |request| AgentToApp::Quiesce {
                         request,
                         deadline_ms: remaining_ms(deadline),
                         bridge,
+                        hot,
                     },
                     deadline,
                 );
@@ -249,6 +251,7 @@ mod tests {
         match agent.handle(AgentCommand::Quiesce {
             deadline_ms: 1000,
             bridge: false,
+            hot: false,
         }) {
             AgentResult::Outcomes { outcomes, .. } => assert!(outcomes.is_empty()),
             other => panic!("expected outcomes, got {other:?}"),
@@ -276,6 +279,7 @@ mod tests {
         let result = agent.handle(AgentCommand::Quiesce {
             deadline_ms: u64::MAX,
             bridge: false,
+            hot: false,
         });
         assert!(matches!(result, AgentResult::Outcomes { .. }), "{result:?}");
         let start = Instant::now();

@@ -155,6 +155,7 @@ pub fn release(
                 request,
                 deadline_ms: remaining,
                 bridge: false,
+                hot: false,
             },
             until,
         );

@@ -426,6 +426,7 @@ fn ctl_inner(
             request: 1,
             deadline_ms,
             bridge: false,
+            hot: false,
         },
         _ => AgentToApp::Resume {
             request: 1,

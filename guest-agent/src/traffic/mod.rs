@@ -355,6 +355,9 @@ pub struct Report {
     pub inbox_high: u64,
     /// Connections (re)established.
     pub connections_established: u64,
+    /// The number of each QP that carried the connections, in order (migratable).
+    #[serde(default)]
+    pub qps: Vec<u32>,
     /// Messages re-sent after a reconnect (migratable).
     pub replayed: u64,
     /// Messages sent over the TCP bridge (strategy `bridge`).
@@ -418,6 +421,7 @@ impl Report {
             }
             total.link_events.extend(r.link_events);
             total.connections_established += r.connections_established;
+            total.qps.extend(&r.qps);
             total.replayed += r.replayed;
             total.bridged += r.bridged;
             total.regions_written += r.regions_written;
@@ -887,7 +891,7 @@ impl Flow {
 
     fn finish(self, cfg: &TrafficConfig, started_unix_ms: u64) -> Report {
         let errors = &self.errors;
-        let (established, link_events, replayed, bridged, onesided_replayed, inbox_high) =
+        let (established, link_events, replayed, bridged, onesided_replayed, inbox_high, qps) =
             match &*self.ep {
                 Endpoint::Migratable(c, _) => {
                     let s = c.stats();
@@ -898,6 +902,7 @@ impl Flow {
                         s.bridged,
                         s.onesided_replayed,
                         s.inbox_high,
+                        s.qps,
                     )
                 }
                 Endpoint::Plain(p) => {
@@ -905,7 +910,7 @@ impl Flow {
                     for e in s.errors {
                         errors.add(format!("connection: {e}"));
                     }
-                    (s.established, Vec::new(), 0, 0, 0, 0)
+                    (s.established, Vec::new(), 0, 0, 0, 0, Vec::new())
                 }
             };
         let t = self.tracker.lock().unwrap_or_else(|p| p.into_inner());
@@ -938,6 +943,7 @@ impl Flow {
             link_events,
             inbox_high,
             connections_established: established,
+            qps,
             replayed,
             bridged,
             regions_written: self.counters.written.load(Ordering::Relaxed),

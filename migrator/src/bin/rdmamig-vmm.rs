@@ -330,7 +330,9 @@ async fn pre_migrate(vmm: &VmmFlags, args: PreMigrateArgs) -> Result<Value, Fail
     };
     plan.validate().map_err(|e| Failure::Usage(e.to_string()))?;
     let context = context(&args.state)?;
-    let choice = choose_for(&plan, &context.pool).map_err(|e| Failure::Usage(e.to_string()))?;
+    let choice = choose_for(&plan, context.backends.as_ref(), &context.pool)
+        .await
+        .map_err(|e| Failure::Usage(e.to_string()))?;
     let id = journal::move_id(&plan.vm, u64::from(std::process::id()));
     let journal =
         Journal::create(&args.state.moves(), &id, &plan).map_err(|e| failed(error_chain(&e)))?;

@@ -1,6 +1,15 @@
 //! Phase `migrate`: the VMM migrates the VM, progress is reported, the arrival confirmed.
 //! When a workflow migrated (between `pre-migrate` and `post-migrate`), only the arrival is
 //! confirmed.
+//!
+//! Strategy `hot` pauses the connections here, at the last moment before the switchover
+//! ("wait before stop"): the VMM copies memory while the guest runs, holds the migration
+//! short of its switchover ([`Vmm::send_migration_held`]), the agent pauses every
+//! connection with its QP kept, and the VMM then stops the VM and moves it with the device.
+//! A VMM that cannot hold a switchover (Cloud Hypervisor) is told to migrate once the
+//! connections have paused.
+
+use rdmamig_vmm::Held;
 
 use super::*;
 
@@ -11,9 +20,15 @@ impl Mover {
         }
         let start = Instant::now();
         let source = self.source_vmm().await?;
-        source
-            .send_migration(&self.plan.via, &self.plan.limits)
-            .await?;
+        let mut details = Map::new();
+        if self.strategy.steps().quiesce == QuiesceMode::Hot {
+            self.pause_at_switchover(source.as_ref(), deadline, &mut details)
+                .await?;
+        } else {
+            source
+                .send_migration(&self.plan.via, &self.plan.limits)
+                .await?;
+        }
         let events = self.events.clone();
         let recorder_start = self.recorder.started_at();
         let mut last: Option<(Instant, MigrationStatus)> = None;
@@ -68,7 +83,6 @@ impl Mover {
             )
             .await?;
         self.journal.append(&Record::Migrated)?;
-        let mut details = Map::new();
         details.insert("confirm_ms".into(), millis(confirm.elapsed()).into());
         // From the source's stop to the destination's start: the VMM's downtime ends with
         // the send, before the destination runs the guest.
@@ -87,6 +101,59 @@ impl Mover {
         }
         self.migration = Some(done);
         Ok(Finished::ok(details))
+    }
+
+    /// Strategy `hot`: starts the migration held short of its switchover, pauses every
+    /// connection (their QPs kept), then lets the VMM switch over. A pause that fails, or
+    /// comes too late, is a forced path: each connection is confirmed on its QP after the
+    /// move, and reconnects with replay if the QP did not survive.
+    async fn pause_at_switchover(
+        &mut self,
+        source: &dyn Vmm,
+        deadline: Duration,
+        details: &mut Map<String, Value>,
+    ) -> Result<(), StepError> {
+        let (via, limits) = (self.plan.via.clone(), self.plan.limits);
+        let held = match source.send_migration_held(&via, &limits, deadline).await {
+            Ok(held) => Some(held),
+            Err(VmmError::Unsupported { reason, .. }) => {
+                details.insert("switchover".into(), format!("not held: {reason}").into());
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if held == Some(Held::SwitchedOver) {
+            self.force(
+                Phase::Migrate,
+                "the VMM switched over before the connections could pause (the guest dirtied \
+                 no memory in a pass: no traffic moved); each is confirmed on its QP after \
+                 the move"
+                    .into(),
+            );
+            details.insert("paused".into(), 0.into());
+            return Ok(());
+        }
+        let pause = Instant::now();
+        let quiesce = self.deadline(Phase::Quiesce);
+        let paused = self
+            .quiesce_connections(Phase::Migrate, QuiesceMode::Hot, quiesce)
+            .await?;
+        details.insert("pause_ms".into(), millis(pause.elapsed()).into());
+        for (key, value) in paused.details {
+            let key = match key.as_str() {
+                "quiesced" => "paused".to_string(),
+                other => format!("pause_{other}"),
+            };
+            details.insert(key, value);
+        }
+        match held {
+            Some(_) => {
+                source.release_switchover(&limits).await?;
+                details.insert("switchover".into(), "held until the pause".into());
+            }
+            None => source.send_migration(&via, &limits).await?,
+        }
+        Ok(())
     }
 
     /// The workflow migrated the VM: confirm that it runs on the destination. A VM that

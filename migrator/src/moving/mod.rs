@@ -51,7 +51,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, DeviceHolder, ReleaseScope};
+use rdmamig_proto::agent::{
+    ConnectionInfo, ConnectionOutcome, DeviceHolder, QuiesceMode, ReleaseScope,
+};
 use rdmamig_proto::clock::millis;
 use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;

@@ -35,7 +35,7 @@ impl Mover {
         if let Some(destination) = &destination {
             details.insert("destination".into(), destination.describe().into());
         }
-        // vfio-migrate plugs nothing: the destination VMM was started with its function.
+        // hot plugs nothing: the destination VMM was started with the device.
         let reserve = self.plan.from_pool && self.strategy.steps().device_moves.is_none();
         if let Some(destination) = destination.as_ref().filter(|_| reserve) {
             let (function, attachment) = destination
@@ -74,7 +74,14 @@ impl Mover {
             let programs = programs?;
             details.insert("unmanaged".into(), programs.len().into());
             self.unmanaged.add(programs);
-            if !self.unmanaged.is_empty() {
+            if !self.unmanaged.is_empty() && self.strategy.steps().device_moves.is_some() {
+                // Their device moves with the VM: nothing of theirs is torn down, they are
+                // only not paused.
+                self.warn(format!(
+                    "unmanaged programs, not paused (their device moves with the VM): {}",
+                    self.unmanaged.named()
+                ));
+            } else if !self.unmanaged.is_empty() {
                 self.warn(format!(
                     "unmanaged programs (policy {}): {}",
                     self.unmanaged_policy(),

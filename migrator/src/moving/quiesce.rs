@@ -1,6 +1,8 @@
 //! Phase `quiesce`: the agent quiesces every connection (a silent agent or a failed
 //! connection is a forced path, and the move goes on). The guest's answer is not believed
-//! beyond what it says: a listed connection it leaves out was not quiesced.
+//! beyond what it says: a listed connection it leaves out was not quiesced. Strategy `hot`
+//! pauses its connections the same way ([`Mover::quiesce_connections`]), but later: in the
+//! migrate phase, right before the switchover.
 
 use super::*;
 
@@ -12,14 +14,32 @@ impl Mover {
         if let Some(why) = self.strategy.steps().uncoordinated {
             return Ok(Finished::skipped(why));
         }
+        let mode = self.strategy.steps().quiesce;
+        if mode == QuiesceMode::Hot {
+            return Ok(Finished::skipped(
+                "strategy hot: the connections pause right before the switchover, in the \
+                 migrate phase",
+            ));
+        }
+        self.quiesce_connections(Phase::Quiesce, mode, deadline)
+            .await
+    }
+
+    /// Asks the agent to quiesce every connection as `mode` says; what did not quiesce is a
+    /// forced path of `phase`, the one the move is in.
+    pub(super) async fn quiesce_connections(
+        &mut self,
+        phase: Phase,
+        mode: QuiesceMode,
+        deadline: Duration,
+    ) -> Result<Finished, StepError> {
         let ids = self.ids.clone();
-        let bridge = self.strategy.steps().bridge;
         let result = match self.agent.as_mut() {
-            Some(agent) => agent.quiesce(&ids, deadline, bridge).await,
+            Some(agent) => agent.quiesce(&ids, deadline, mode).await,
             None => {
                 let source = self.source_vmm().await?;
                 let mut agent = self.context.backends.agent(source.as_ref()).await?;
-                let result = agent.quiesce(&ids, deadline, bridge).await;
+                let result = agent.quiesce(&ids, deadline, mode).await;
                 self.agent = Some(agent);
                 result
             }
@@ -31,12 +51,12 @@ impl Mover {
                 // recovers through the library's own path (device gone, wait for the peer,
                 // replay).
                 let reason = format!(
-                    "the agent did not quiesce ({}); detaching without a coordinated quiesce",
+                    "the agent did not quiesce ({}); going on without a coordinated quiesce",
                     error_chain(&e)
                 );
                 self.agent = None;
                 self.agent_lost = Some(error_chain(&e));
-                self.force(Phase::Quiesce, reason.clone());
+                self.force(phase, reason.clone());
                 return Ok(Finished {
                     outcome: PhaseOutcome::Forced { reason },
                     details: Map::new(),
@@ -51,6 +71,7 @@ impl Mover {
                     ok: false,
                     elapsed_ms: 0,
                     error: Some("the agent's answer left it out: not quiesced".into()),
+                    fell_back: None,
                 });
             }
         }
@@ -70,11 +91,11 @@ impl Mover {
             return Ok(Finished::ok(details));
         }
         let reason = format!(
-            "{} connections did not quiesce ({}); detaching anyway",
+            "{} connections did not quiesce ({}); going on anyway",
             failed.len(),
             failed.join("; ")
         );
-        self.force(Phase::Quiesce, reason.clone());
+        self.force(phase, reason.clone());
         Ok(Finished {
             outcome: PhaseOutcome::Forced { reason },
             details,

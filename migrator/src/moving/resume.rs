@@ -36,7 +36,24 @@ impl Mover {
                 _ => return Err(e),
             },
         };
-        let details = self.record_outcomes(&result, "resumed");
+        let mut details = self.record_outcomes(&result, "resumed");
+        let fell_back: Vec<String> = result
+            .outcomes
+            .iter()
+            .filter_map(|o| Some(format!("{:016x}: {}", o.id, o.fell_back.as_deref()?)))
+            .collect();
+        if self.strategy.steps().quiesce == QuiesceMode::Hot {
+            // The QPs the move kept, and those that did not survive it (they reconnected).
+            details.insert("fell_back".into(), fell_back.len().into());
+            if !fell_back.is_empty() {
+                self.warn(format!(
+                    "{} connections reconnected instead of going on on their QP: {}",
+                    fell_back.len(),
+                    fell_back.join("; ")
+                ));
+                details.insert("fell_back_connections".into(), fell_back.into());
+            }
+        }
         let failed: Vec<_> = result.failed().collect();
         let lost = (!failed.is_empty()).then(|| connections_lost(&failed, ids.len()));
         self.resume = result.outcomes;

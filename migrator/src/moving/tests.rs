@@ -955,3 +955,57 @@ async fn a_connection_the_agent_leaves_out_of_its_quiesce_answer_was_not_quiesce
     assert_eq!(quiesce.details["failed"], 1);
     assert!(matches!(quiesce.outcome, PhaseOutcome::Forced { .. }));
 }
+
+#[tokio::test]
+async fn a_hot_move_pauses_while_the_switchover_is_held_and_swaps_nothing() {
+    let bed = Bed::new();
+    let mut asked = plan();
+    asked.strategy = Strategy::Hot;
+    let report = bed.run(asked).await;
+    assert!(report.ok, "{report:#?}");
+    let outcome = |phase: Phase| {
+        report
+            .timeline
+            .phases
+            .iter()
+            .find(|p| p.phase == phase)
+            .map(|p| p.outcome.clone())
+            .unwrap()
+    };
+    for phase in [Phase::Quiesce, Phase::Detach, Phase::Attach] {
+        assert!(
+            matches!(outcome(phase), PhaseOutcome::Skipped { .. }),
+            "{phase}: {:?}",
+            outcome(phase)
+        );
+    }
+    assert_eq!(outcome(Phase::Resume), PhaseOutcome::Ok);
+    let migrate = &report.timeline.phases[3].details;
+    assert_eq!(migrate["paused"], 2, "{migrate:#?}");
+    assert_eq!(migrate["switchover"], "held until the pause");
+    // The pause comes between the hold and the release, and nothing is plugged or
+    // unplugged.
+    let calls = bed.calls();
+    let at = |name: &str| {
+        calls
+            .iter()
+            .position(|c| c == name)
+            .unwrap_or_else(|| panic!("no {name} in {calls:?}"))
+    };
+    assert!(at("src.hold_switchover") < at("agent.quiesce"), "{calls:?}");
+    assert!(
+        at("agent.quiesce") < at("src.release_switchover"),
+        "{calls:?}"
+    );
+    assert!(
+        at("src.release_switchover") < at("src.wait_migration"),
+        "{calls:?}"
+    );
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains("remove_device") || c.contains("add_device")),
+        "{calls:?}"
+    );
+    assert_eq!(report.timeline.phases[5].details["fell_back"], 0);
+}

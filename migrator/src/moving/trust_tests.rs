@@ -78,6 +78,7 @@ async fn serve(mut stream: DuplexStream, misbehaviour: Misbehaviour) {
                                 ok: true,
                                 elapsed_ms: 1,
                                 error: None,
+                                fell_back: None,
                             }],
                             elapsed_ms: 1,
                         },

@@ -1036,6 +1036,7 @@ mod tests {
                 ok: false,
                 elapsed_ms: 2,
                 error: Some("\x07bell".into()),
+                fell_back: None,
             }],
             elapsed_ms: 3,
         };
