@@ -69,6 +69,12 @@ impl NetNs {
         Ok(tap)
     }
 
+    /// Takes `tap` off the bridge (`joined` false: nothing it sends reaches anyone) or puts
+    /// it back.
+    pub fn set_tap_joined(&self, tap: &str, joined: bool) -> Result<(), NetnsError> {
+        set_tap_joined(&self.name, tap, joined)
+    }
+
     /// Gives the bridge an address (`10.78.0.254/24`): the harness's own, for reaching
     /// guests over TCP ([`connect_tcp`]).
     pub fn add_bridge_address(&self, cidr: &str) -> Result<(), NetnsError> {
@@ -89,6 +95,17 @@ impl Drop for NetNs {
             eprintln!("rdmamig-testbed: deleting network namespace: {err}");
         }
     }
+}
+
+/// Takes `tap` of namespace `netns` off its bridge, or puts it back (for a thread that
+/// holds no [`NetNs`]).
+pub fn set_tap_joined(netns: &str, tap: &str, joined: bool) -> Result<(), NetnsError> {
+    let master = if joined { "master" } else { "nomaster" };
+    let mut args = vec!["-n", netns, "link", "set", tap, master];
+    if joined {
+        args.push(BRIDGE);
+    }
+    ip(&args).map(drop)
 }
 
 /// The prefix of every test-bed namespace name: `rmg<pid>n<counter>`.

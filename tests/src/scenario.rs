@@ -98,6 +98,10 @@ pub struct ScenarioConfig {
     /// How long each traffic process's final flush waits for its peer's acknowledgements
     /// (`--flush-timeout-s`): a link that broke just before the stop is rebuilt first.
     pub flush_timeout_s: u32,
+    /// The destination's RDMA NIC is off the bridge from the move's start until this long
+    /// after it: across the switchover the path is gone, so a QP that `hot` kept cannot
+    /// carry its probe, and the connection must fall back to a reconnect.
+    pub dst_path_back_after: Option<Duration>,
 }
 
 impl ScenarioConfig {
@@ -122,6 +126,7 @@ impl ScenarioConfig {
             peer_wait_s: 60,
             connect_timeout_s: 10,
             flush_timeout_s: 3,
+            dst_path_back_after: None,
         }
     }
 }
@@ -465,6 +470,18 @@ pub fn run(
         )
     };
     let started = crate::unix_ms();
+    let path_back = match config.dst_path_back_after {
+        Some(after) => {
+            bed.set_tap_joined(&dst.spec().tap, false)
+                .map_err(Box::new)?;
+            let (netns, tap) = (bed.netns().to_owned(), dst.spec().tap.clone());
+            Some(std::thread::spawn(move || {
+                std::thread::sleep(after);
+                crate::netns::set_tap_joined(&netns, &tap, true)
+            }))
+        }
+        None => None,
+    };
     let (first, ended, peer_move) = match &peer_dst {
         Some(peer_dst) if config.overlap => {
             let (first, ended, second) = std::thread::scope(|s| {
@@ -497,6 +514,11 @@ pub fn run(
             })
         }
     };
+    if let Some(back) = path_back {
+        if let Err(e) = back.join().expect("the path's thread") {
+            eprintln!("rdmamig-testbed {tag}: putting the destination's NIC back: {e}");
+        }
+    }
     let move_output = succeeded(&src, first?)?;
     let peer_move = peer_move.map(|out| succeeded(&peer, out)).transpose()?;
     std::thread::sleep(config.after);

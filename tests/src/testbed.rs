@@ -92,6 +92,17 @@ pub enum TestbedError {
         #[source]
         source: NetnsError,
     },
+    /// Taking a tap off the bridge, or putting it back, failed.
+    #[error("setting tap {tap} on or off the bridge of network namespace {netns}")]
+    JoinTap {
+        /// The tap.
+        tap: String,
+        /// The namespace's name.
+        netns: String,
+        /// What went wrong.
+        #[source]
+        source: NetnsError,
+    },
     /// Giving the bridge an address failed.
     #[error("giving the bridge of network namespace {netns} an address")]
     BridgeAddress {
@@ -249,6 +260,17 @@ impl Testbed {
             netns: self.netns.name().to_owned(),
             source,
         })
+    }
+
+    /// Takes `tap` off the test bed's bridge, or puts it back ([`NetNs::set_tap_joined`]).
+    pub fn set_tap_joined(&self, tap: &str, joined: bool) -> Result<(), TestbedError> {
+        self.netns
+            .set_tap_joined(tap, joined)
+            .map_err(|source| TestbedError::JoinTap {
+                tap: tap.to_owned(),
+                netns: self.netns.name().to_owned(),
+                source,
+            })
     }
 
     /// A spec for a new guest: a new tap, the next address in 10.77.0.0/24 (from .11) and a

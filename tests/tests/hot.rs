@@ -11,6 +11,8 @@
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
+use std::time::Duration;
+
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::timeline::PhaseOutcome;
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, Strategy};
@@ -74,5 +76,50 @@ fn hot_move_keeps_every_qp_and_loses_nothing() {
         o.peer.max_gap_ms,
         o.vm_paused_ms(),
         migrate["pause_ms"]
+    );
+}
+
+/// The QP the move kept does not survive: the destination's NIC is off the bridge from the
+/// move's start until 8 s later, so the probe on the kept QP gets no answer. The connection
+/// must give the QP up, reconnect once the path is back, replay, and lose nothing; the
+/// report says it fell back, and why.
+#[test]
+fn a_qp_that_does_not_survive_falls_back_to_a_reconnect_and_loses_nothing() {
+    let bed = Testbed::new("hotfb").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let config = ScenarioConfig {
+        dst_path_back_after: Some(Duration::from_secs(8)),
+        ..ScenarioConfig::new(Strategy::Hot)
+    };
+    let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    eprintln!("{}\n{}", o.move_output, scenario::render(&o));
+    for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
+        assert_eq!(report.lost, 0, "the {name} lost messages: {report:?}");
+        assert_eq!(report.duplicated, 0, "{name}: {report:?}");
+        assert_eq!(report.reordered, 0, "{name}: {report:?}");
+        assert!(report.errors.is_empty(), "{name} saw errors: {report:?}");
+        // The kept QP was given up: a second one carries the connection.
+        assert_eq!(report.connections_established, 2, "{name}: {report:?}");
+        assert_eq!(report.qps.len(), 2, "{name}: {report:?}");
+    }
+    let report = o.move_report.as_ref().expect("the move's report");
+    assert!(report.ok, "{report:#?}");
+    let resume = &report
+        .timeline
+        .phases
+        .iter()
+        .find(|r| r.phase == Phase::Resume)
+        .expect("a resume")
+        .details;
+    assert_eq!(resume["fell_back"], 1, "{resume:#?}");
+    // What gave the QP up: its retry budget on the probe (the library's retry_cnt), or the
+    // confirmation's 3 s, whichever comes first.
+    let why = resume["fell_back_connections"][0]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("transport retry counter exceeded")
+            || why.contains("the probe on the kept QP"),
+        "{resume:#?}"
     );
 }

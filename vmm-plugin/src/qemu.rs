@@ -77,18 +77,28 @@ const DEFAULT_DOWNTIME: Duration = Duration::from_millis(300);
 /// How a held migration keeps QEMU from switching over: it switches over once what is
 /// left to send fits in `avail-switchover-bandwidth` x `downtime-limit`; 1000 B/s x 1 ms is
 /// one byte, less than one page, so it switches over only after a pass in which the guest
-/// dirtied no memory at all: no RDMA traffic came in or went out then. (With less than one
-/// byte QEMU 10.0 switches over as soon as its first pass is sent.)
+/// dirtied no memory at all. (With less than one byte QEMU 10.0 switches over as soon as
+/// its first pass is sent.)
 const HOLD_SWITCHOVER_BANDWIDTH: u64 = 1000;
 const HOLD_DOWNTIME_MS: u64 = 1;
+
+/// The `max-bandwidth` of a held migration once its first pass is sent (QEMU's
+/// `MIGRATION_PASS` 2): 100 bytes per 100 ms window, so every page sent makes QEMU wait for
+/// the next window. Without it the passes after the first follow each other within a
+/// millisecond when little is dirty, and one in which the guest happened to dirty nothing
+/// switched over (seen on the test bed, with 200 messages/s each way). With it, each pass
+/// spans at least 100 ms of the guest's activity. (QEMU divides by 10: below 10 B/s the
+/// limit is 0, which means none.)
+const HOLD_BANDWIDTH: u64 = 1000;
 
 /// The switchover bandwidth a released migration assumes (10 GB/s): with it the little
 /// that is left fits the downtime limit at QEMU's next check (every 100 ms), instead of
 /// waiting for QEMU to measure its throughput again after the hold.
 const RELEASE_SWITCHOVER_BANDWIDTH: u64 = 10_000_000_000;
 
-/// How often a held migration's progress is read while its first pass runs.
-const HOLD_POLL: Duration = Duration::from_millis(10);
+/// QEMU's default `max-bandwidth` (128 MiB/s), which a released switchover goes back to
+/// when the one before the hold could not be read.
+const DEFAULT_BANDWIDTH: u64 = 128 << 20;
 
 /// A QEMU process driven over QMP.
 #[derive(Debug)]
@@ -105,6 +115,8 @@ pub struct QemuVmm {
     /// source, `migrate-incoming` at the destination), until that migration ended: where
     /// the guest's stop and start times are read.
     migration_events: std::sync::Mutex<Option<EventStream>>,
+    /// The `max-bandwidth` a held migration had before its hold, given back at the release.
+    held_bandwidth: std::sync::Mutex<Option<u64>>,
 }
 
 impl QemuVmm {
@@ -125,6 +137,7 @@ impl QemuVmm {
             unplugging: std::sync::Mutex::default(),
             migration_end: std::sync::Mutex::default(),
             migration_events: std::sync::Mutex::default(),
+            held_bandwidth: std::sync::Mutex::default(),
         })
     }
 
@@ -466,7 +479,21 @@ impl Vmm for QemuVmm {
         limits: &MigrationLimits,
         deadline: Duration,
     ) -> Result<Held, VmmError> {
-        let end = Instant::now() + deadline;
+        let parameters = self
+            .run("hold the switchover", uri, "query-migrate-parameters", None)
+            .await?;
+        *self
+            .held_bandwidth
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+            parameters.get("max-bandwidth").and_then(Value::as_u64);
+        self.run(
+            "hold the switchover",
+            uri,
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": [{ "capability": "events", "state": true }] })),
+        )
+        .await?;
         self.run(
             "hold the switchover",
             uri,
@@ -481,29 +508,49 @@ impl Vmm for QemuVmm {
             downtime: Some(Duration::from_millis(HOLD_DOWNTIME_MS)),
             ..*limits
         };
+        // Subscribed before the start: the second pass's event must not be missed.
+        let mut events = self.qmp.subscribe();
         self.send_migration(uri, &held).await?;
-        loop {
-            let sample = self.query_migrate().await?;
-            match sample.status {
-                // The first pass over memory is sent and the dirty memory synchronised:
-                // from here QEMU only sends what the guest dirties, as far as it gets.
-                MigrationStatus::Active if sample.ram_syncs.is_some_and(|n| n >= 2) => {
-                    return Ok(Held::Ready)
-                }
-                MigrationStatus::Setup | MigrationStatus::Active => {}
-                _ => return Ok(Held::SwitchedOver),
-            }
-            if Instant::now() >= end {
-                return Err(VmmError::TimedOut {
-                    operation: "the migration's first pass over memory",
-                    deadline_ms: millis(deadline),
-                });
-            }
-            tokio::time::sleep(HOLD_POLL.min(end - Instant::now())).await;
+        let second_pass = events
+            .wait_for(deadline, |event| {
+                event.name == "MIGRATION_PASS"
+                    && event.data.get("pass").and_then(Value::as_u64) >= Some(2)
+                    || event.name == "MIGRATION"
+                        && !matches!(
+                            event.data.get("status").and_then(Value::as_str),
+                            Some("setup" | "active")
+                        )
+            })
+            .await
+            .map_err(|e| vmm_error("hold the switchover", uri, e))?;
+        if second_pass.is_none() {
+            return Err(VmmError::TimedOut {
+                operation: "the migration's first pass over memory",
+                deadline_ms: millis(deadline),
+            });
         }
+        // The first pass is sent: from here QEMU sends only what the guest dirties, and
+        // at a crawl.
+        self.run(
+            "hold the switchover",
+            uri,
+            "migrate-set-parameters",
+            Some(json!({ "max-bandwidth": HOLD_BANDWIDTH })),
+        )
+        .await?;
+        Ok(match self.query_migrate().await?.status {
+            MigrationStatus::Active => Held::Ready,
+            _ => Held::SwitchedOver,
+        })
     }
 
     async fn release_switchover(&self, limits: &MigrationLimits) -> Result<(), VmmError> {
+        let bandwidth = self
+            .held_bandwidth
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+            .unwrap_or(DEFAULT_BANDWIDTH);
         self.run(
             "release the switchover",
             "",
@@ -511,6 +558,7 @@ impl Vmm for QemuVmm {
             Some(json!({
                 "avail-switchover-bandwidth": RELEASE_SWITCHOVER_BANDWIDTH,
                 "downtime-limit": millis(limits.downtime.unwrap_or(DEFAULT_DOWNTIME)),
+                "max-bandwidth": bandwidth,
             })),
         )
         .await
