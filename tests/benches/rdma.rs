@@ -7,8 +7,9 @@
 //!    `ibv_rc_pingpong`) between the same two guests, interleaved, several rounds, medians of
 //!    the rounds compared.
 //! 2. Switching time: the largest delivery gap at the peer during a move with `reconnect`,
-//!    with `bridge` and with the naive unplug-migrate-plug, beside the VMM's reported
-//!    downtime.
+//!    with `bridge` and with the naive unplug-migrate-plug, and with `hot` beside the same
+//!    migration with the NIC attached and nothing paused (plain rdma_cm traffic), each
+//!    beside the VMM's reported downtime and the VM's pause.
 //!
 //! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
 //! builds the guest binaries); `-- overhead` or `-- switching` runs only that part.
@@ -77,9 +78,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n== switching time: one move with each strategy");
     let daemon = Daemon::start(bed.dir())?;
     let mut outcomes = Vec::new();
-    for strategy in [Strategy::Reconnect, Strategy::Bridge, Strategy::Naive] {
+    for strategy in [
+        Strategy::Reconnect,
+        Strategy::Bridge,
+        Strategy::Naive,
+        Strategy::Hot,
+        Strategy::Attached,
+    ] {
         let outcome = scenario::run(&bed, &daemon, &ScenarioConfig::new(strategy))?;
-        let name = strategy.migrator_name();
+        let name = strategy.label();
         println!("\n== the {name} move\n{}", outcome.move_output.trim_end());
         println!("{}", scenario::render(&outcome));
         outcomes.push(outcome);
@@ -88,6 +95,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "\n{}",
         render_switching(&outcomes[0], &outcomes[1], &outcomes[2])
     );
+    println!("{}", render_hot(&outcomes[3], &outcomes[4]));
     Ok(())
 }
 
@@ -452,5 +460,40 @@ fn render_switching(
         verdict(over_downtime.is_some_and(|d| d <= 10.0)),
         verdict(lost(bridge) == 0),
         verdict(naive_over_bridge >= 20.0),
+    )
+}
+
+/// `hot` beside the same attached migration with nothing paused: its goals are a gap at the
+/// peer within the VM's own pause + 5 ms, and below the uncoordinated one's.
+fn render_hot(hot: &ScenarioOutcome, attached: &ScenarioOutcome) -> String {
+    let shown = |d: Option<u64>| d.map_or("?".to_owned(), |d| d.to_string());
+    let gap = |o: &ScenarioOutcome| o.peer.max_gap_ms;
+    let lost = |o: &ScenarioOutcome| o.peer.lost + o.mover.lost;
+    let over_pause = hot.vm_paused_ms().map(|p| gap(hot) - p as f64);
+    let ratio = gap(hot) / gap(attached);
+    format!(
+        "| NIC attached, migrating with the VM     | attached, nothing paused | hot |\n\
+         |----------------------------------------|-------------------------:|----:|\n\
+         | largest gap at the peer (ms)           | {:>24.0} | {:>3.0} |\n\
+         | VMM downtime (ms)                      | {:>24} | {:>3} |\n\
+         | VM paused, STOP to RESUME (ms)         | {:>24} | {:>3} |\n\
+         | messages lost                          | {:>24} | {:>3} |\n\
+         | errors the peer saw                    | {:>24} | {:>3} |\n\
+         hot gap - its VM pause: {} ms (target <= 5: {}); nothing lost with hot: {}\n\
+         hot / attached gap: {ratio:.2} (target < 1: {})\n",
+        gap(attached),
+        gap(hot),
+        shown(attached.vmm_downtime_ms()),
+        shown(hot.vmm_downtime_ms()),
+        shown(attached.vm_paused_ms()),
+        shown(hot.vm_paused_ms()),
+        lost(attached),
+        lost(hot),
+        attached.peer.errors.len(),
+        hot.peer.errors.len(),
+        over_pause.map_or("?".to_owned(), |d| format!("{d:+.0}")),
+        verdict(over_pause.is_some_and(|d| d <= 5.0)),
+        verdict(lost(hot) == 0),
+        verdict(ratio < 1.0),
     )
 }

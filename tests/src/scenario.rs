@@ -43,6 +43,10 @@ pub enum Strategy {
     /// for a migration-capable VF); the connections pause right before the switchover and
     /// keep their QPs.
     Hot,
+    /// The baseline beside `hot`: the same migration with the NIC attached, but the traffic
+    /// over plain rdma_cm connections, which nothing pauses (the migrator's `hot` finds no
+    /// library connection to pause).
+    Attached,
 }
 
 impl Strategy {
@@ -52,15 +56,28 @@ impl Strategy {
             Strategy::Reconnect => "reconnect",
             Strategy::Bridge => "bridge",
             Strategy::Naive => "naive",
-            Strategy::Hot => "hot",
+            Strategy::Hot | Strategy::Attached => "hot",
         }
+    }
+
+    /// The scenario's own name (guests, files, columns).
+    pub fn label(self) -> &'static str {
+        match self {
+            Strategy::Attached => "attached",
+            other => other.migrator_name(),
+        }
+    }
+
+    /// Whether the destination is started with the RDMA NIC, which then migrates.
+    fn nic_migrates(self) -> bool {
+        matches!(self, Strategy::Hot | Strategy::Attached)
     }
 
     /// The traffic tool's connection mode for the strategy.
     fn traffic_mode(self) -> &'static str {
         match self {
             Strategy::Reconnect | Strategy::Bridge | Strategy::Hot => "migratable",
-            Strategy::Naive => "plain",
+            Strategy::Naive | Strategy::Attached => "plain",
         }
     }
 }
@@ -386,9 +403,10 @@ pub fn run(
     daemon: &Daemon,
     config: &ScenarioConfig,
 ) -> Result<ScenarioOutcome, ScenarioError> {
-    let tag = config.strategy.migrator_name();
+    let tag = config.strategy.label();
+    let strategy = config.strategy.migrator_name();
     let steps::MoveGuests { peer, src, dst } =
-        steps::MoveGuests::start_with(bed, tag, config.strategy == Strategy::Hot)
+        steps::MoveGuests::start_with(bed, tag, config.strategy.nic_migrates())
             .map_err(Box::new)?;
     let peer_spec = peer.spec().clone();
 
@@ -451,7 +469,7 @@ pub fn run(
         migrate_vm(
             bed,
             daemon,
-            tag,
+            strategy,
             (&src, &dst),
             &report_path,
             &format!("move-{tag}.log"),
@@ -462,7 +480,7 @@ pub fn run(
         migrate_vm(
             bed,
             daemon,
-            tag,
+            strategy,
             (&peer, peer_dst),
             &peer_report_path,
             &format!("move-{tag}-peer.log"),
@@ -566,7 +584,7 @@ pub fn run(
     })
 }
 
-/// Moves `vm` to the `-incoming` guest `dst` with `rdmamig migrate` (strategy `tag`),
+/// Moves `vm` to the `-incoming` guest `dst` with `rdmamig migrate --strategy strategy`,
 /// writing the migrator's report to `report_path` and its output to `log` in the bed's
 /// directory; stops the source and attaches to the destination's console afterwards.
 /// `deadlines`: `phase=ms` items for `--deadline`. Returns whether the move succeeded and
@@ -574,7 +592,7 @@ pub fn run(
 pub fn migrate_vm(
     bed: &Testbed,
     daemon: &Daemon,
-    tag: &str,
+    strategy: &str,
     (vm, dst): (&Guest, &Guest),
     report_path: &Path,
     log: &str,
@@ -582,7 +600,7 @@ pub fn migrate_vm(
 ) -> Result<(bool, String), ScenarioError> {
     let mut migrate = crate::steps::migrate_command(daemon.socket(), vm, dst);
     migrate
-        .args(["--strategy", tag, "--report"])
+        .args(["--strategy", strategy, "--report"])
         .arg(report_path);
     for deadline in deadlines {
         migrate.args(["--deadline", deadline]);
@@ -766,7 +784,7 @@ pub fn compare(outcomes: &[ScenarioOutcome]) -> String {
             .collect();
         format!("| {what:<44} |{cells}\n")
     };
-    let mut text = row("", &|o| o.strategy.migrator_name().to_string());
+    let mut text = row("", &|o| o.strategy.label().to_string());
     text += &format!(
         "|{}|{}\n",
         "-".repeat(46),
