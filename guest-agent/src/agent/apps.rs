@@ -589,7 +589,7 @@ fn failed_outcomes(app: &App, error: &AppRequestError) -> Vec<ConnectionOutcome>
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     //! These drive the registry through a real UNIX socket with a scripted client: the
     //! logic under test is the agent's fan-out, deadlines and bookkeeping.
     use super::*;
@@ -637,7 +637,10 @@ mod tests {
         });
     }
 
-    fn registry_with(answer: fn(AgentToApp) -> Option<AppToAgent>) -> (Apps, tempfile::TempDir) {
+    /// A registry with one fake process that answers with `answer`.
+    pub(in crate::agent) fn registry_with(
+        answer: fn(AgentToApp) -> Option<AppToAgent>,
+    ) -> (Apps, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.sock");
         let apps = Apps::new();

@@ -95,6 +95,7 @@ pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof) {
                     debug!(bytes = frames.len(), "host left mid-frame; discarding");
                     frames = FrameBuffer::new();
                 }
+                agent.host_left();
                 match on_eof {
                     OnEof::Stop => return,
                     OnEof::WaitForHost => {
@@ -107,6 +108,7 @@ pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof) {
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
                 warn!("reading the host channel failed: {e}");
+                agent.host_left();
                 if on_eof == OnEof::Stop {
                     return;
                 }

@@ -9,6 +9,13 @@
 //! the move's policy says so ([`release`]).
 //!
 //! Everything is bounded by the deadline the host gives; nothing here waits forever.
+//!
+//! A `hot` quiesce pauses connections with their QPs kept, and the VM then moves with its
+//! device. When the host's channel ends while they are paused (the vsock transport reset a
+//! migration brings, or a migrator that went away), the agent confirms them itself
+//! ([`Agent::host_left`]): they do not depend on a resume that may never come. (On the test
+//! bed the destination's migrator usually connects before the guest notices its port
+//! closed, and its resume does the confirming.)
 
 pub mod apps;
 pub mod device;
@@ -17,6 +24,7 @@ pub mod release;
 pub mod vsock;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{AgentCommand, AgentResult};
@@ -39,12 +47,18 @@ pub const MAX_HOST_DEADLINE_MS: u64 = 24 * 3600 * 1000;
 /// connection the host had never been shown. It fits in the prepare phase's 5 s default.
 const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// The deadline of the confirmation the agent runs by itself when the host's channel ends
+/// while connections are paused with their QPs kept.
+const SELF_CONFIRM_MS: u64 = 10_000;
+
 /// The agent's state: the registered processes and where to look for RDMA devices and
 /// processes.
 pub struct Agent {
     apps: Apps,
     sysfs_infiniband: PathBuf,
     proc_root: PathBuf,
+    /// A `hot` quiesce paused connections and no resume has come since.
+    hot_paused: AtomicBool,
 }
 
 impl Agent {
@@ -54,7 +68,22 @@ impl Agent {
             apps,
             sysfs_infiniband,
             proc_root: PathBuf::from(release::PROC),
+            hot_paused: AtomicBool::new(false),
         }
+    }
+
+    /// The host's channel ended. After a `hot` quiesce that is the VM running again on the
+    /// destination (or a migrator that gave up): the paused connections are confirmed on
+    /// their QPs now, as a resume would.
+    pub fn host_left(&self) {
+        if !self.hot_paused.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        info!("the host's channel ended with connections paused on their QPs: confirming them");
+        let result = self.handle(AgentCommand::Resume {
+            deadline_ms: SELF_CONFIRM_MS,
+        });
+        info!(?result, "confirmed without the host");
     }
 
     /// Runs one host command to completion.
@@ -96,6 +125,9 @@ impl Agent {
                     },
                     deadline,
                 );
+                if hot && outcomes.iter().any(|o| o.ok) {
+                    self.hot_paused.store(true, Ordering::Release);
+                }
                 outcomes_since(started, outcomes)
             }
             AgentCommand::ReleaseDevice {
@@ -115,6 +147,7 @@ impl Agent {
                 AgentResult::Released { holders }
             }
             AgentCommand::Resume { deadline_ms } => {
+                self.hot_paused.store(false, Ordering::Release);
                 let deadline = deadline_from(started, deadline_ms);
                 let Some(ports) = device::wait_for_active_port(
                     &self.sysfs_infiniband,
@@ -287,5 +320,67 @@ mod tests {
             deadline_from(start, u64::MAX),
             deadline_from(start, MAX_HOST_DEADLINE_MS)
         );
+    }
+
+    #[test]
+    fn a_host_that_leaves_after_a_hot_pause_gets_its_connections_confirmed() {
+        use rdmamig_proto::agent::ConnectionOutcome;
+        use rdmamig_proto::app::{AppReply, AppToAgent};
+        use std::sync::atomic::AtomicUsize;
+        static RESUMES: AtomicUsize = AtomicUsize::new(0);
+        fn ok(request: u64) -> Option<AppToAgent> {
+            Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Outcomes {
+                    outcomes: vec![ConnectionOutcome {
+                        id: 1,
+                        ok: true,
+                        elapsed_ms: 1,
+                        error: None,
+                        fell_back: None,
+                    }],
+                },
+            })
+        }
+        let (apps, _dir) = apps::tests::registry_with(|req| match req {
+            AgentToApp::Describe { request } => Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Connections {
+                    connections: Vec::new(),
+                },
+            }),
+            AgentToApp::Quiesce { request, .. } => ok(request),
+            AgentToApp::Resume { request, .. } => {
+                RESUMES.fetch_add(1, Ordering::SeqCst);
+                ok(request)
+            }
+            AgentToApp::Refused { .. } => None,
+        });
+        let sysfs = tempfile::tempdir().unwrap();
+        let port = sysfs.path().join("rxe0/ports/1");
+        std::fs::create_dir_all(&port).unwrap();
+        std::fs::write(port.join("state"), "4: ACTIVE\n").unwrap();
+        let agent = Agent::new(apps, sysfs.path().to_path_buf());
+        // Nothing paused: a host leaving is only a host leaving.
+        agent.host_left();
+        let quiesce = |hot| AgentCommand::Quiesce {
+            deadline_ms: 5000,
+            bridge: false,
+            hot,
+        };
+        agent.handle(quiesce(false));
+        agent.host_left();
+        assert_eq!(RESUMES.load(Ordering::SeqCst), 0);
+        // Paused with the QPs kept: the host's channel ending confirms them, once.
+        agent.handle(quiesce(true));
+        agent.host_left();
+        assert_eq!(RESUMES.load(Ordering::SeqCst), 1);
+        agent.host_left();
+        assert_eq!(RESUMES.load(Ordering::SeqCst), 1);
+        // A resume from the host clears the pause as well.
+        agent.handle(quiesce(true));
+        agent.handle(AgentCommand::Resume { deadline_ms: 5000 });
+        agent.host_left();
+        assert_eq!(RESUMES.load(Ordering::SeqCst), 2);
     }
 }

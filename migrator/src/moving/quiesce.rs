@@ -15,7 +15,9 @@ impl Mover {
             return Ok(Finished::skipped(why));
         }
         let mode = self.strategy.steps().quiesce;
-        if mode == QuiesceMode::Hot {
+        // A workflow migrates the VM itself, so the switchover cannot be held: a `hot`
+        // move then pauses its connections here, before the hand-over.
+        if mode == QuiesceMode::Hot && self.plan.migration == MigrationBy::Migrator {
             return Ok(Finished::skipped(
                 "strategy hot: the connections pause right before the switchover, in the \
                  migrate phase",

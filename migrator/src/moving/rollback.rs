@@ -171,19 +171,25 @@ impl Mover {
         loop {
             tokio::time::sleep(REMOVAL_POLL).await;
             let left = bound.saturating_sub(start.elapsed());
-            let gone = !left.is_zero() && !within(left, source.has_device(&device)).await?;
-            if gone {
-                steps.push(format!(
-                    "waited {} ms for the guest to finish removing device {device}",
-                    millis(start.elapsed())
-                ));
-                return Ok(());
-            }
             if left.is_zero() {
                 return Err(StepError::RemovalPending {
                     device,
                     waited_ms: millis(start.elapsed()),
                 });
+            }
+            // A question the bound cuts short is not an answer: the next round says the
+            // removal is still pending (a busy VMM once turned that into "a step did not
+            // return in time", which named nothing).
+            match within(left, source.has_device(&device)).await {
+                Ok(true) | Err(StepError::Stalled) => {}
+                Ok(false) => {
+                    steps.push(format!(
+                        "waited {} ms for the guest to finish removing device {device}",
+                        millis(start.elapsed())
+                    ));
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
             }
         }
     }

@@ -772,7 +772,11 @@ fn workflow_plan() -> MovePlan {
 impl Bed {
     /// Runs `pre-migrate`'s half of a workflow's move.
     async fn hand_over(&self) -> MoveReport {
-        let plan = workflow_plan();
+        self.hand_over_plan(workflow_plan()).await
+    }
+
+    /// Runs `pre-migrate`'s half of the workflow's move `plan`.
+    async fn hand_over_plan(&self, plan: MovePlan) -> MoveReport {
         plan.validate().unwrap();
         let journal = Journal::create(self.dir.path(), "m", &plan).unwrap();
         let (events, _received) = tokio::sync::mpsc::unbounded_channel();
@@ -1008,4 +1012,28 @@ async fn a_hot_move_pauses_while_the_switchover_is_held_and_swaps_nothing() {
         "{calls:?}"
     );
     assert_eq!(report.timeline.phases[5].details["fell_back"], 0);
+}
+
+#[tokio::test]
+async fn a_hot_move_under_a_workflow_pauses_before_the_hand_over() {
+    // The workflow migrates the VM itself: no switchover to hold, so the connections
+    // pause in the quiesce phase, and nothing is unplugged.
+    let bed = Bed::new();
+    let mut plan = workflow_plan();
+    plan.strategy = Strategy::Hot;
+    let report = bed.hand_over_plan(plan).await;
+    let quiesce = report
+        .timeline
+        .phases
+        .iter()
+        .find(|p| p.phase == Phase::Quiesce)
+        .expect("a quiesce");
+    assert_eq!(quiesce.outcome, PhaseOutcome::Ok, "{report:#?}");
+    assert_eq!(quiesce.details["quiesced"], 2, "{report:#?}");
+    let calls = bed.calls();
+    assert!(calls.iter().any(|c| c == "agent.quiesce"), "{calls:?}");
+    assert!(
+        !calls.iter().any(|c| c.contains("remove_device")),
+        "{calls:?}"
+    );
 }
