@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use rdmamig_migrator::machine::Phase;
 use rdmamig_migrator::timeline::PhaseOutcome;
-use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, Strategy};
+use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
 use rdmamig_testbed::{error_chain, Testbed};
 
 /// Messages per second each way: a guest busy enough that no pass finds it idle.
@@ -34,18 +34,26 @@ fn config() -> ScenarioConfig {
     }
 }
 
+/// Runs the hot scenario `config` on a test bed of its own, and checks that neither side
+/// lost, duplicated or reordered anything or saw an error; returns both sides' reports.
+fn run_clean(name: &str, config: &ScenarioConfig) -> ScenarioOutcome {
+    let bed = Testbed::new(name).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let o = scenario::run(&bed, &daemon, config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    eprintln!("{}\n{}", o.move_output, scenario::render(&o));
+    for (report, side) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
+        assert_eq!(report.lost, 0, "the {side} lost messages: {report:?}");
+        assert_eq!(report.duplicated, 0, "{side}: {report:?}");
+        assert_eq!(report.reordered, 0, "{side}: {report:?}");
+        assert!(report.errors.is_empty(), "{side} saw errors: {report:?}");
+    }
+    o
+}
+
 #[test]
 fn hot_move_keeps_every_qp_and_loses_nothing() {
-    let bed = Testbed::new("hot").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let o =
-        scenario::run(&bed, &daemon, &config()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    eprintln!("{}\n{}", o.move_output, scenario::render(&o));
+    let o = run_clean("hot", &config());
     for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
-        assert_eq!(report.lost, 0, "the {name} lost messages: {report:?}");
-        assert_eq!(report.duplicated, 0, "{name}: {report:?}");
-        assert_eq!(report.reordered, 0, "{name}: {report:?}");
-        assert!(report.errors.is_empty(), "{name} saw errors: {report:?}");
         assert!(report.received > 0, "{name} received nothing: {report:?}");
         // One QP for the whole run: the move kept it, nothing reconnected.
         assert_eq!(
@@ -101,19 +109,12 @@ fn hot_move_keeps_every_qp_and_loses_nothing() {
 /// report says it fell back, and why.
 #[test]
 fn a_qp_that_does_not_survive_falls_back_to_a_reconnect_and_loses_nothing() {
-    let bed = Testbed::new("hotfb").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let config = ScenarioConfig {
         dst_path_back_after: Some(Duration::from_secs(8)),
         ..config()
     };
-    let o = scenario::run(&bed, &daemon, &config).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    eprintln!("{}\n{}", o.move_output, scenario::render(&o));
+    let o = run_clean("hotfb", &config);
     for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
-        assert_eq!(report.lost, 0, "the {name} lost messages: {report:?}");
-        assert_eq!(report.duplicated, 0, "{name}: {report:?}");
-        assert_eq!(report.reordered, 0, "{name}: {report:?}");
-        assert!(report.errors.is_empty(), "{name} saw errors: {report:?}");
         // The kept QP was given up: a second one carries the connection.
         assert_eq!(report.connections_established, 2, "{name}: {report:?}");
         assert_eq!(report.qps.len(), 2, "{name}: {report:?}");
