@@ -182,6 +182,12 @@ pub struct GuestSpec {
     /// [`Guest::vsock_socket`] (`CONNECT <port>`), as with Cloud Hypervisor's `--vsock`.
     /// Guest memory is then a shared memfd, which vhost-user needs.
     pub vsock_cid: Option<u32>,
+    /// With [`GuestSpec::vsock_cid`]: whether the vsock device [`VSOCK_DEVICE`] is present
+    /// at start (its vhost-device-vsock and chardev always are). QEMU 10.0 cannot migrate a
+    /// vhost-user-vsock device (its backend lacks VHOST_USER_PROTOCOL_F_LOG_SHMFD), so a
+    /// migration destination starts without it and has it plugged after the migration
+    /// ([`vsock_device_args`]).
+    pub with_vsock: bool,
     /// Gives the guest an emulated IOMMU (intel-iommu, interrupt remapping, `intel_iommu=on`),
     /// created before every other device so that none bypasses it: what a guest that plays
     /// a host with VFIO needs ([`crate::nested`]).
@@ -469,6 +475,11 @@ impl Guest {
     /// [`GuestSpec::vsock_cid`].
     pub fn vsock_socket(&self) -> PathBuf {
         self.dir().join("vsock.sock")
+    }
+
+    /// vhost-device-vsock's vhost-user socket, which the vsock device's chardev connects to.
+    pub fn vhost_vsock_socket(&self) -> PathBuf {
+        self.dir().join(VHOST_VSOCK_SOCKET)
     }
 
     /// A path for a migration stream socket (`unix:<path>`) with this guest as the destination.
@@ -788,15 +799,41 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
                 spec.memory_mib
             ),
             "-chardev".into(),
-            format!("socket,id=vs0,path={}", path(VHOST_VSOCK_SOCKET)),
+            format!(
+                "socket,id={VSOCK_CHARDEV},path={}",
+                path(VHOST_VSOCK_SOCKET)
+            ),
+            // Its own root port, so that it can be unplugged and plugged again.
             "-device".into(),
-            "vhost-user-vsock-pci,chardev=vs0".into(),
+            "pcie-root-port,id=rp4,slot=4,chassis=4".into(),
         ]);
+        if spec.with_vsock {
+            args.extend([
+                "-device".into(),
+                format!("vhost-user-vsock-pci,chardev={VSOCK_CHARDEV},id={VSOCK_DEVICE},bus=rp4"),
+            ]);
+        }
     }
     if incoming {
         args.extend(["-incoming".into(), "defer".into()]);
     }
     args
+}
+
+/// The QEMU id of a guest's vsock device ([`GuestSpec::vsock_cid`]).
+pub const VSOCK_DEVICE: &str = "vsock0";
+
+/// The chardev the vsock device speaks vhost-user over.
+pub const VSOCK_CHARDEV: &str = "vs0";
+
+/// The vsock device as QMP `device_add` arguments (as at start).
+pub fn vsock_device_args() -> serde_json::Value {
+    serde_json::json!({
+        "driver": "vhost-user-vsock-pci",
+        "chardev": VSOCK_CHARDEV,
+        "id": VSOCK_DEVICE,
+        "bus": "rp4",
+    })
 }
 
 /// vhost-device-vsock's vhost-user socket in the guest's directory (QEMU connects to it).

@@ -3,7 +3,8 @@
 //! `docs/testbed.md`).
 //!
 //! - [`ch_spec`]: Cloud Hypervisor's API spec as an oracle, and a spec-checked stand-in
-//!   for its API socket.
+//!   for its API socket; [`ch_facade`]: that API over a real QEMU guest, whose VM really
+//!   moves.
 //! - [`testbed`]: the fixture: a network namespace with a bridge, taps, the guest image, and
 //!   cleanup of everything in `Drop`.
 //! - [`guest`]: one QEMU guest: command line, process, sockets, console commands.
@@ -33,6 +34,7 @@
 //! ```
 
 pub mod capture;
+pub mod ch_facade;
 pub mod ch_spec;
 pub mod console;
 pub mod corpus;

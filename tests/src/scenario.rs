@@ -405,9 +405,15 @@ pub fn run(
 ) -> Result<ScenarioOutcome, ScenarioError> {
     let tag = config.strategy.label();
     let strategy = config.strategy.migrator_name();
-    let steps::MoveGuests { peer, src, dst } =
-        steps::MoveGuests::start_with(bed, tag, config.strategy.nic_migrates())
-            .map_err(Box::new)?;
+    let steps::MoveGuests { peer, src, dst } = steps::MoveGuests::start_with(
+        bed,
+        tag,
+        steps::GuestOptions {
+            dst_nic: config.strategy.nic_migrates(),
+            ..Default::default()
+        },
+    )
+    .map_err(Box::new)?;
     let peer_spec = peer.spec().clone();
 
     let peer_clock_offset_ms = clock_offset_ms(&peer)?;

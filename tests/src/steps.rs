@@ -335,6 +335,17 @@ pub fn migrate_command_as(socket: &Path, vm: &str, src: &Guest, dst: &Guest) -> 
 /// The port the peer serves a [`MoveGuests::start_flow`] on.
 pub const FLOW_PORT: u16 = 7471;
 
+/// How [`MoveGuests::start_with`] departs from the plain move's guests.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GuestOptions {
+    /// The destination starts with the same RDMA NIC as the source (a `hot` move migrates
+    /// the NIC instead of plugging one; on its own tap of the same bridge).
+    pub dst_nic: bool,
+    /// The moving VM (and its destination) has a vsock device with this CID: the agent's
+    /// channel of a Cloud Hypervisor VM ([`crate::ch_facade`]).
+    pub vsock_cid: Option<u32>,
+}
+
 /// What a move needs on the test bed: a peer, the VM that moves, and its `-incoming`
 /// destination (same address and MAC, no NIC yet).
 pub struct MoveGuests {
@@ -349,21 +360,20 @@ pub struct MoveGuests {
 impl MoveGuests {
     /// Boots `<prefix>-peer` and `<prefix>-src` side by side, then starts `<prefix>-dst`.
     pub fn start(bed: &Testbed, prefix: &str) -> Result<MoveGuests, TestbedError> {
-        MoveGuests::start_with(bed, prefix, false)
+        MoveGuests::start_with(bed, prefix, GuestOptions::default())
     }
 
-    /// [`MoveGuests::start`], with the destination started with the same RDMA NIC as the
-    /// source (`dst_nic`: a `hot` move migrates the NIC instead of plugging one; on its own
-    /// tap of the same bridge).
+    /// [`MoveGuests::start`], with the [`GuestOptions`] given.
     pub fn start_with(
         bed: &Testbed,
         prefix: &str,
-        dst_nic: bool,
+        options: GuestOptions,
     ) -> Result<MoveGuests, TestbedError> {
         let peer_spec = bed.guest_spec(&format!("{prefix}-peer"))?;
-        let src_spec = bed.guest_spec(&format!("{prefix}-src"))?;
+        let mut src_spec = bed.guest_spec(&format!("{prefix}-src"))?;
+        src_spec.vsock_cid = options.vsock_cid;
         let mut dst_spec = bed.incoming_spec(&src_spec, &format!("{prefix}-dst"))?;
-        dst_spec.with_nic = dst_nic;
+        dst_spec.with_nic = options.dst_nic;
         let (peer, src) = std::thread::scope(|s| {
             let peer = s.spawn(|| bed.start_guest(peer_spec));
             let src = s.spawn(|| bed.start_guest(src_spec));

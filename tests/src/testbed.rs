@@ -296,6 +296,7 @@ impl Testbed {
             rdma_nic: NicModel::default(),
             memory_mib: GUEST_MEMORY_MIB,
             vsock_cid: None,
+            with_vsock: true,
             iommu: false,
             cpus: 1,
         })
@@ -303,13 +304,15 @@ impl Testbed {
 
     /// A spec for the migration destination of `source`: the same addresses and MACs, new
     /// taps for both NICs, and no RDMA NIC device (it is plugged after the move); the
-    /// permanent NIC is there, as on the source.
+    /// permanent NIC is there, as on the source. Nor a vsock device, which cannot migrate
+    /// ([`GuestSpec::with_vsock`]).
     pub fn incoming_spec(&self, source: &GuestSpec, name: &str) -> Result<GuestSpec, TestbedError> {
         Ok(GuestSpec {
             name: name.to_owned(),
             tap: self.add_tap()?,
             permanent_tap: self.add_tap()?,
             with_nic: false,
+            with_vsock: false,
             ..source.clone()
         })
     }
