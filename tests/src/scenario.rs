@@ -362,6 +362,26 @@ impl Daemon {
         &self.socket
     }
 
+    /// The state of function `name` in `rdmamig pool --json` (`{"state": "attached", "vm":
+    /// ...}`; `Null` if the pool lacks it).
+    pub fn pool_function(&self, name: &str) -> serde_json::Value {
+        let out = Command::new(crate::bin_dir().join("rdmamig"))
+            .args(["pool", "--json", "--socket"])
+            .arg(&self.socket)
+            .output();
+        let functions: serde_json::Value = out
+            .ok()
+            .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+            .unwrap_or_default();
+        functions
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|f| f["name"] == name)
+            .map(|f| f["state"].clone())
+            .unwrap_or_default()
+    }
+
     /// Kills the daemon started by [`Daemon::start_named`] as `rdmamig` in `dir` with
     /// `config` (SIGKILL, as a crash would) and starts it again on the same state, which
     /// finishes or rolls back what it was running.

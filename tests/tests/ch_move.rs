@@ -10,7 +10,12 @@
 //! vsock (vhost-device-vsock, which speaks Cloud Hypervisor's `CONNECT` protocol) at each end
 //! in turn: the source's before the migration, the destination's after.
 //!
-//! A second move's migration really fails (the destination's QEMU dies mid-stream) and rolls
+//! The same move between two migrators: the destination host's own daemon, asked over
+//! mutual TLS (certificates made by the test), reserves the VF from its pool (listed by PCI
+//! address), sends its facade's `vm.receive-migration`, plugs the VF and resumes the
+//! connections through the destination's agent; its pool then shows the VF attached.
+//!
+//! A third move's migration really fails (the destination's QEMU dies mid-stream) and rolls
 //! back: Cloud Hypervisor cannot cancel, so the rollback waits for the migration's end, plugs
 //! a device back on the source and has the agent resume there; the report carries the cause
 //! from the source's log file, since `migration-failed` carries none.
@@ -25,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_testbed::ch_facade::ChFacade;
 use rdmamig_testbed::ch_spec::{check_against_spec, refusal, successful, vm_info, FakeCh};
+use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{finish_clean_flow, GuestOptions, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, GuestBinaries, Testbed};
@@ -45,14 +51,31 @@ fn bodies(api: &[rdmamig_testbed::ch_spec::Recorded], path: &str) -> Vec<Value> 
         .collect()
 }
 
+/// Which move the scenario runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Case {
+    /// One daemon drives both ends.
+    OneDaemon,
+    /// The destination's own migrator, over mutual TLS, receives into its facade and
+    /// plugs a function of its pool.
+    TwoMigrators,
+    /// One daemon; the destination's QEMU dies mid-stream and the move rolls back.
+    FailedMigration,
+}
+
 #[test]
 fn a_cloud_hypervisor_vm_moves_with_one_wrapper_command() {
-    run("chmove", false);
+    run("chmove", Case::OneDaemon);
+}
+
+#[test]
+fn a_cloud_hypervisor_vm_moves_to_another_migrators_host() {
+    run("chpeer", Case::TwoMigrators);
 }
 
 #[test]
 fn a_failed_cloud_hypervisor_migration_rolls_back_to_the_source() {
-    run("chfail", true);
+    run("chfail", Case::FailedMigration);
 }
 
 /// `rdmamig-vmm receive-migration` as a workflow's destination line, in ch-remote's words:
@@ -125,19 +148,19 @@ fn receive_migration_takes_ch_remotes_options() {
     );
 }
 
-fn run(name: &str, fail_migration: bool) {
+fn run(name: &str, case: Case) {
     let bed = Testbed::builder(name)
         .guest_binaries(GuestBinaries::Required)
         .build()
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    if let Err(e) = scenario(&bed, fail_migration) {
+    if let Err(e) = scenario(&bed, case) {
         panic!("{}", error_chain(&*e));
     }
 }
 
-/// One move with traffic both ways; with `fail_migration` the destination's QEMU is killed
-/// once the migration stream flows, and the move must roll back.
-fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::error::Error>> {
+/// One move with traffic both ways, as `case` says.
+fn scenario(bed: &Testbed, case: Case) -> Result<(), Box<dyn std::error::Error>> {
+    let fail_migration = case == Case::FailedMigration;
     let options = GuestOptions {
         vsock_cid: Some(3),
         ..Default::default()
@@ -147,7 +170,7 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
     let _entered = runtime.enter();
     let source = ChFacade::running(&guests.src);
     let destination = ChFacade::receiving(&guests.dst);
-    let daemon = Daemon::start(bed.dir())?;
+    let daemons = Daemons::start(bed, case, &guests.dst, &destination)?;
     guests.start_flow(TAG, "--rate 200")?;
     std::thread::sleep(Duration::from_secs(2));
 
@@ -175,9 +198,12 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
         .args(["--vm", "vm", "--detach", "nic0"])
         .args(["--attach", &format!("driver=vfio-pci,host={VF},id=vf1")])
         .arg("--socket")
-        .arg(daemon.socket())
+        .arg(daemons.source.socket())
         .arg("--report")
         .arg(&report_path);
+    if case == Case::TwoMigrators {
+        command.args(["--destination-migrator", "dst", "--from-pool"]);
+    }
     let output = if fail_migration {
         // Slow enough that the stream is still flowing when the destination dies.
         source.qmp(
@@ -264,11 +290,119 @@ fn scenario(bed: &Testbed, fail_migration: bool) -> Result<(), Box<dyn std::erro
     assert!(!source.holds_vm() && destination.holds_vm());
     let devices = destination.devices()?;
     assert!(devices.iter().any(|d| d == "vf1"), "{devices:?}");
+    if let Some(peer) = &daemons.destination {
+        check_peer_duties(&report, peer, bed)?;
+    }
 
     guests.src.kill();
     guests.dst.reattach_console()?;
     std::thread::sleep(Duration::from_secs(3));
     finish_clean_flow(&guests.dst, "moved VM", &guests.peer, TAG);
+    Ok(())
+}
+
+/// The daemons of a case: the source's, and for [`Case::TwoMigrators`] the destination's.
+struct Daemons {
+    source: Daemon,
+    destination: Option<(Daemon, u16)>,
+}
+
+impl Daemons {
+    /// One daemon, or two that know each other by certificates made here: the destination
+    /// lists the VF in its pool by PCI address and lets the source name only its own VMM's
+    /// files (the facade's and the guest's directories).
+    fn start(
+        bed: &Testbed,
+        case: Case,
+        dst: &rdmamig_testbed::Guest,
+        facade: &ChFacade,
+    ) -> Result<Daemons, Box<dyn std::error::Error>> {
+        if case != Case::TwoMigrators {
+            return Ok(Daemons {
+                source: Daemon::start(bed.dir())?,
+                destination: None,
+            });
+        }
+        let pki = Pki::new(&bed.dir().join("pki"))?;
+        for host in ["source", "destination"] {
+            pki.issue(host)?;
+        }
+        let port = free_port()?;
+        let facade_dir = facade.socket().parent().expect("a directory").to_owned();
+        let configs = [
+            (
+                "source",
+                pki.peer_table("source", None, &[("dst", "destination", port)], &[]),
+            ),
+            (
+                "destination",
+                format!(
+                    "[[pool.function]]\nname = \"vf0\"\npci = \"{VF}\"\n\n{}",
+                    pki.peer_table(
+                        "destination",
+                        Some(port),
+                        &[("src", "source", 0)],
+                        &[
+                            facade_dir.as_path(),
+                            dst.dir(),
+                            facade.events().parent().expect("a directory")
+                        ],
+                    )
+                ),
+            ),
+        ];
+        let mut started = Vec::new();
+        for (name, text) in configs {
+            let path = bed.dir().join(format!("{name}.toml"));
+            std::fs::write(&path, text)?;
+            started.push(Daemon::start_named(bed.dir(), name, Some(&path))?);
+        }
+        let destination = started.pop().expect("two daemons");
+        let source = started.pop().expect("two daemons");
+        Ok(Daemons {
+            source,
+            destination: Some((destination, port)),
+        })
+    }
+}
+
+/// The destination's migrator did its duties for the source over the channel, and its
+/// pool shows the VF attached to the VM.
+fn check_peer_duties(
+    report: &Value,
+    (daemon, port): &(Daemon, u16),
+    bed: &Testbed,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let details = |phase: &str| {
+        report["timeline"]["phases"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["phase"] == phase)
+            .map(|p| p["details"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        details("prepare")["destination"],
+        format!("migrator dst (127.0.0.1:{port})").as_str()
+    );
+    assert_eq!(details("attach")["function"], "vf0", "{report:#}");
+    let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log"))?;
+    for call in [
+        "Reserve",
+        "PrepareReceive",
+        "ConfirmReceived",
+        "Attach",
+        "Resume",
+    ] {
+        assert!(
+            log.contains(&format!("peer request peer=src call={call} ")),
+            "{call}: {log}"
+        );
+    }
+    let state = daemon.pool_function("vf0");
+    assert_eq!(state["state"], "attached", "{state}");
+    assert_eq!(state["vm"], "vm", "{state}");
     Ok(())
 }
 

@@ -19,7 +19,6 @@
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use rdmamig_migrator::config::KnownPeer;
@@ -31,7 +30,7 @@ use rdmamig_migrator::plan::Endpoint;
 use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
 use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
-use rdmamig_testbed::{bin_dir, error_chain, Testbed};
+use rdmamig_testbed::{error_chain, Testbed};
 use rdmamig_vmm::DeviceSpec;
 use serde_json::Value;
 
@@ -75,23 +74,6 @@ fn phases(report: &Value) -> Vec<&str> {
         .iter()
         .map(|p| p["phase"].as_str().unwrap())
         .collect()
-}
-
-/// `rdmamig pool --json` of `daemon`: the state of function `name`.
-fn pool_state(daemon: &Daemon, name: &str) -> Value {
-    let out = Command::new(bin_dir().join("rdmamig"))
-        .args(["pool", "--json", "--socket"])
-        .arg(daemon.socket())
-        .output()
-        .unwrap();
-    let functions: Value = serde_json::from_slice(&out.stdout).unwrap();
-    functions
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["name"] == name)
-        .map(|f| f["state"].clone())
-        .unwrap_or(Value::Null)
 }
 
 /// Asks the destination migrator, with the source's own (authenticated) identity, for what
@@ -267,7 +249,7 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         "{error}"
     );
     assert_eq!(phases(&report), ["prepare", "rollback"]);
-    assert_eq!(pool_state(&destination, "tap1")["state"], "free");
+    assert_eq!(destination.pool_function("tap1")["state"], "free");
 
     // The source's own credentials, outside its scope: nothing is done.
     refused_outside_scope(&pki, destination_port, &guests);
@@ -295,7 +277,7 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         stderr.contains("strategy hot refused: function tap9 is not in this host's pool"),
         "{stderr}"
     );
-    assert_eq!(pool_state(&destination, "tap1")["state"], "free");
+    assert_eq!(destination.pool_function("tap1")["state"], "free");
 
     // The move, through the destination migrator, with the strategy auto decides.
     let (code, _, report) = migrate(
@@ -363,9 +345,9 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
         );
     }
     // The source's function went back to its pool (an emulated NIC has nothing to reset).
-    assert_eq!(pool_state(&source, "tap0")["state"], "free");
+    assert_eq!(source.pool_function("tap0")["state"], "free");
     assert_eq!(details("resume")["failed"], 0);
-    let state = pool_state(&destination, "tap1");
+    let state = destination.pool_function("tap1");
     assert_eq!(state["state"], "attached", "{state}");
     assert_eq!(state["vm"], src.spec().name.as_str(), "{state}");
     // The traffic kept flowing after the move: more than the 2 s before it.
