@@ -8,8 +8,10 @@
 //! `vm.send-migration` and `vm.receive-migration` bodies ([`MigrationLimits`] carries the
 //! bounds); an unknown key, a key given twice or a value out of range is refused with the
 //! key's name, as ch-remote refuses it, and so are ch-remote's keys rdmamig does not pass on
-//! yet.
+//! yet. `vfio_fds=[id@fd]` and `iommufd_fd=N` name descriptors the caller opened (ch-remote's
+//! way: `exec 5<>/dev/vfio/devices/vfio0`); they are handed to the VMM with the request.
 
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -41,17 +43,8 @@ const SEND_MIGRATION: Verb = Verb {
 /// `receive-migration`: the fields of `vm.receive-migration`.
 const RECEIVE_MIGRATION: Verb = Verb {
     name: "receive-migration",
-    keys: &["receiver_url", "tls_dir"],
-    not_yet: &[
-        (
-            "vfio_fds",
-            "handing VFIO devices to the receiving VMM (SCM_RIGHTS) is not passed on",
-        ),
-        (
-            "iommufd_fd",
-            "handing VFIO devices to the receiving VMM (SCM_RIGHTS) is not passed on",
-        ),
-    ],
+    keys: &["receiver_url", "tls_dir", "vfio_fds", "iommufd_fd"],
+    not_yet: &[],
 };
 
 /// What is wrong with a ch-remote option list.
@@ -127,6 +120,21 @@ pub struct ReceiveMigration {
     pub receiver_url: String,
     /// The destination's TLS folder (CA, server certificate and key).
     pub tls_dir: Option<PathBuf>,
+    /// `vfio_fds=[id@fd,...]`: VFIO devices handed to the receiver, each by its id in the
+    /// VM's config and a descriptor the caller opened (its VFIO cdev).
+    pub vfio_fds: Vec<(String, RawFd)>,
+    /// `iommufd_fd=N`: a `/dev/iommu` descriptor the caller opened.
+    pub iommufd_fd: Option<RawFd>,
+}
+
+impl ReceiveMigration {
+    /// Every descriptor number the options name.
+    pub fn fds(&self) -> impl Iterator<Item = RawFd> + '_ {
+        self.vfio_fds
+            .iter()
+            .map(|(_, fd)| *fd)
+            .chain(self.iommufd_fd)
+    }
 }
 
 /// Whether `text` is a ch-remote option list rather than a bare URL (`tcp:`, `unix:`).
@@ -137,7 +145,7 @@ pub fn is_option_list(text: &str) -> bool {
 /// Splits `options` into the verb's keys and their values: every key known, none twice.
 fn items<'a>(verb: &Verb, options: &'a str) -> Result<Vec<(&'static str, &'a str)>, ChRemoteError> {
     let mut items: Vec<(&'static str, &str)> = Vec::new();
-    for item in options.split(',').filter(|item| !item.is_empty()) {
+    for item in split_items(options).filter(|item| !item.is_empty()) {
         let (key, value) = item
             .split_once('=')
             .ok_or_else(|| ChRemoteError::NotKeyValue {
@@ -161,6 +169,62 @@ fn items<'a>(verb: &Verb, options: &'a str) -> Result<Vec<(&'static str, &'a str
         items.push((key, value));
     }
     Ok(items)
+}
+
+/// The option list's items: split at commas outside brackets (`vfio_fds=[a@5,b@6]` is one).
+fn split_items(options: &str) -> impl Iterator<Item = &str> {
+    let mut depth = 0usize;
+    let mut start = 0;
+    let mut items = Vec::new();
+    for (at, c) in options.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                items.push(&options[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&options[start..]);
+    items.into_iter()
+}
+
+/// A descriptor number the caller opened: 3 or more (0-2 are the standard streams).
+fn descriptor(key: &'static str, value: &str) -> Result<RawFd, ChRemoteError> {
+    value
+        .parse::<RawFd>()
+        .ok()
+        .filter(|fd| *fd >= 3)
+        .ok_or_else(|| ChRemoteError::BadValue {
+            key,
+            value: value.to_string(),
+            reason: "a descriptor number, 3 or more, open in the caller (exec 5<>/dev/...)",
+        })
+}
+
+/// `vfio_fds=[id@fd,...]`.
+fn vfio_fds(value: &str) -> Result<Vec<(String, RawFd)>, ChRemoteError> {
+    let bad = || ChRemoteError::BadValue {
+        key: "vfio_fds",
+        value: value.to_string(),
+        reason: "[id@fd,...] with ids and descriptor numbers (3 or more)",
+    };
+    let list = value
+        .strip_prefix('[')
+        .and_then(|v| v.strip_suffix(']'))
+        .ok_or_else(bad)?;
+    let mut devices: Vec<(String, RawFd)> = Vec::new();
+    for entry in list.split(',') {
+        let (id, fd) = entry.split_once('@').ok_or_else(bad)?;
+        let fd = descriptor("vfio_fds", fd).map_err(|_| bad())?;
+        if id.is_empty() || devices.iter().any(|(known, _)| known == id) {
+            return Err(bad());
+        }
+        devices.push((id.to_string(), fd));
+    }
+    Ok(devices)
 }
 
 /// A migration URL, as Cloud Hypervisor takes it.
@@ -242,19 +306,44 @@ pub fn parse_send_migration(options: &str) -> Result<SendMigration, ChRemoteErro
 pub fn parse_receive_migration(options: &str) -> Result<ReceiveMigration, ChRemoteError> {
     let mut receiver_url = None;
     let mut tls_dir = None;
+    let mut devices = Vec::new();
+    let mut iommufd_fd = None;
     for (key, value) in items(&RECEIVE_MIGRATION, options)? {
         match key {
             "receiver_url" => receiver_url = Some(url(key, value)?),
             "tls_dir" => tls_dir = Some(folder(key, value)?),
+            "vfio_fds" => devices = vfio_fds(value)?,
+            "iommufd_fd" => iommufd_fd = Some(descriptor(key, value)?),
             _ => unreachable!("every key of receive-migration is matched"),
         }
     }
-    Ok(ReceiveMigration {
+    let parsed = ReceiveMigration {
         receiver_url: receiver_url.ok_or(ChRemoteError::NoUrl {
             key: "receiver_url",
         })?,
         tls_dir,
-    })
+        vfio_fds: devices,
+        iommufd_fd,
+    };
+    let mut seen = Vec::new();
+    for fd in parsed.fds() {
+        if seen.contains(&fd) {
+            return Err(ChRemoteError::BadValue {
+                key: "vfio_fds",
+                value: fd.to_string(),
+                reason: "each descriptor may be handed over once",
+            });
+        }
+        seen.push(fd);
+    }
+    if !parsed.vfio_fds.is_empty() && parsed.iommufd_fd.is_none() {
+        return Err(ChRemoteError::BadValue {
+            key: "iommufd_fd",
+            value: String::new(),
+            reason: "needed with vfio_fds (a /dev/iommu descriptor for the devices)",
+        });
+    }
+    Ok(parsed)
 }
 
 /// ch-remote's on/off values.
@@ -361,26 +450,55 @@ mod tests {
     }
 
     #[test]
-    fn receive_migration_takes_its_url_and_tls_folder() {
+    fn receive_migration_takes_its_url_tls_folder_and_handed_devices() {
         assert_eq!(
             parse_receive_migration("receiver_url=tcp:0.0.0.0:6000,tls_dir=/etc/ch/tls").unwrap(),
             ReceiveMigration {
                 receiver_url: "tcp:0.0.0.0:6000".into(),
                 tls_dir: Some("/etc/ch/tls".into()),
+                vfio_fds: Vec::new(),
+                iommufd_fd: None,
             }
         );
+        let handed = parse_receive_migration(
+            "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[vfio0@5,vfio1@7],iommufd_fd=6",
+        )
+        .unwrap();
+        assert_eq!(
+            handed.vfio_fds,
+            [("vfio0".to_string(), 5), ("vfio1".to_string(), 7)]
+        );
+        assert_eq!(handed.iommufd_fd, Some(6));
+        assert_eq!(handed.fds().collect::<Vec<_>>(), [5, 7, 6]);
         for (options, error) in [
             (
                 "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[vfio0@5]",
-                "vfio_fds is not supported yet",
+                "iommufd_fd=: needed with vfio_fds",
             ),
             (
-                "receiver_url=tcp:0.0.0.0:6000,iommufd_fd=6",
-                "iommufd_fd is not supported yet",
+                "receiver_url=tcp:0.0.0.0:6000,vfio_fds=vfio0@5,iommufd_fd=6",
+                "vfio_fds=vfio0@5: [id@fd,...]",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[vfio0@1],iommufd_fd=6",
+                "vfio_fds=[vfio0@1]: [id@fd,...]",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[a@5,a@7],iommufd_fd=6",
+                "vfio_fds=[a@5,a@7]",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,vfio_fds=[a@5],iommufd_fd=5",
+                "vfio_fds=5: each descriptor may be handed over once",
+            ),
+            (
+                "receiver_url=tcp:0.0.0.0:6000,iommufd_fd=x",
+                "iommufd_fd=x: a descriptor number",
             ),
             (
                 "receiver_url=tcp:0.0.0.0:6000,downtime_ms=5",
-                "unknown option: downtime_ms (receive-migration takes receiver_url, tls_dir)",
+                "unknown option: downtime_ms (receive-migration takes receiver_url, tls_dir, \
+                 vfio_fds, iommufd_fd)",
             ),
             ("tls_dir=/etc/ch/tls", "receiver_url is missing"),
         ] {

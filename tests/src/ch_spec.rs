@@ -8,7 +8,9 @@
 //! answers with statuses and bodies the test chooses; the bodies are made from (and checked
 //! against) the spec's schemas, so the stand-in cannot drift from what Cloud Hypervisor
 //! sends. [`check_against_spec`] fails on any request to a path or method the spec lacks and
-//! on any body its schema rejects (unknown properties included).
+//! on any body its schema rejects (unknown properties included). The stand-in reads with
+//! `recvmsg`, as Cloud Hypervisor's server does, and records the descriptors a request hands
+//! over (SCM_RIGHTS) by what they open.
 //!
 //! The schema checker understands exactly the keywords the spec uses and fails on any other,
 //! so nothing in a schema is silently ignored.
@@ -308,6 +310,92 @@ pub struct Recorded {
     pub path: String,
     /// The JSON body, if any.
     pub body: Option<Value>,
+    /// The descriptors that came with the request (SCM_RIGHTS), as (device, inode) of what
+    /// each one opens, in the order received.
+    pub fds: Vec<(u64, u64)>,
+}
+
+/// An accepted API connection that reads with `recvmsg`, keeping the descriptors that come
+/// with the bytes (as Cloud Hypervisor's server does for `vfio_fds` and `iommufd_fd`).
+struct FdCollecting {
+    stream: tokio::net::UnixStream,
+    /// (device, inode) of each descriptor received and not yet given to a request.
+    received: Arc<Mutex<Vec<(u64, u64)>>>,
+}
+
+impl tokio::io::AsyncRead for FdCollecting {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let this = self.get_mut();
+        let socket = this.stream.as_raw_fd();
+        loop {
+            std::task::ready!(this.stream.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            let read = this.stream.try_io(tokio::io::Interest::READABLE, || {
+                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 8]);
+                let mut iov = [std::io::IoSliceMut::new(unfilled)];
+                let message = recvmsg::<()>(
+                    socket,
+                    &mut iov,
+                    Some(&mut space),
+                    MsgFlags::MSG_CMSG_CLOEXEC,
+                )
+                .map_err(std::io::Error::from)?;
+                let mut fds = Vec::new();
+                for cmsg in message.cmsgs().map_err(std::io::Error::from)? {
+                    if let ControlMessageOwned::ScmRights(received) = cmsg {
+                        fds.extend(received);
+                    }
+                }
+                Ok((message.bytes, fds))
+            });
+            match read {
+                Ok((n, fds)) => {
+                    for fd in fds {
+                        // SAFETY: the kernel just installed this descriptor for this
+                        // process; nothing else owns it.
+                        let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+                        let meta = file.metadata()?;
+                        use std::os::unix::fs::MetadataExt;
+                        this.received.lock().unwrap().push((meta.dev(), meta.ino()));
+                    }
+                    buf.advance(n);
+                    return std::task::Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return std::task::Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for FdCollecting {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
 
 /// Answers a request: the path under /api/v1 and the body, to a status and a body.
@@ -337,11 +425,17 @@ impl FakeCh {
                 };
                 let log = log.clone();
                 let respond = respond.clone();
+                let received = Arc::new(Mutex::new(Vec::new()));
+                let stream = FdCollecting {
+                    stream,
+                    received: received.clone(),
+                };
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(
                         move |request: hyper::Request<hyper::body::Incoming>| {
                             let log = log.clone();
                             let respond = respond.clone();
+                            let received = received.clone();
                             async move {
                                 let method = request.method().to_string();
                                 let path = request.uri().path().to_string();
@@ -351,10 +445,12 @@ impl FakeCh {
                                         panic!("the backend sent a body that is not JSON: {e}")
                                     })
                                 });
+                                let fds = std::mem::take(&mut *received.lock().unwrap());
                                 log.lock().unwrap().push(Recorded {
                                     method,
                                     path: path.clone(),
                                     body: body.clone(),
+                                    fds,
                                 });
                                 // On a blocking thread: a responder may wait (a receiver
                                 // answers only once the migration has ended).

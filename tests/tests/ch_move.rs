@@ -23,6 +23,9 @@
 //! Needs root, /dev/net/tun, qemu-system-x86_64, vhost-device-vsock and the workspace's
 //! binaries (scripts/setup.sh); fails (never skips) without them.
 
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -80,8 +83,9 @@ fn a_failed_cloud_hypervisor_migration_rolls_back_to_the_source() {
 
 /// `rdmamig-vmm receive-migration` as a workflow's destination line, in ch-remote's words:
 /// the option list reaches `vm.receive-migration`; a VM a failed receive left `Created` is
-/// deleted first; the receiver's failure is the command's, with its chain; a key rdmamig
-/// does not pass on is refused before any request.
+/// deleted first; the receiver's failure is the command's, with its chain; VFIO devices the
+/// caller opened are handed to the VMM with the request; a descriptor that is not open is
+/// refused before any request.
 #[test]
 fn receive_migration_takes_ch_remotes_options() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -137,10 +141,64 @@ fn receive_migration_takes_ch_remotes_options() {
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("failed to fill whole buffer"), "{text}");
 
+    // VFIO devices handed over as ch-remote does: descriptors the calling shell opened
+    // (`exec 5<>... 6<>...`), named in the body and sent beside it (SCM_RIGHTS). Files stand
+    // in for the VF's cdev and /dev/iommu (the test bed's kernels have neither).
+    fail.store(false, Ordering::Release);
+    let dir = tempfile::tempdir().unwrap();
+    let cdev = std::fs::File::create(dir.path().join("vfio0")).unwrap();
+    let iommu = std::fs::File::create(dir.path().join("iommu")).unwrap();
+    let identity = |file: &std::fs::File| {
+        let meta = file.metadata().unwrap();
+        (meta.dev(), meta.ino())
+    };
+    let handed = [(5, cdev.as_raw_fd()), (6, iommu.as_raw_fd())];
+    let mut command = Command::new(bin_dir().join("rdmamig-vmm"));
+    command.arg("--api-socket").arg(api.socket()).args([
+        "receive-migration",
+        "receiver_url=tcp:127.0.0.1:6000,vfio_fds=[vfio0@5],iommufd_fd=6",
+    ]);
+    // SAFETY: between fork and exec only dup2 runs, which is async-signal-safe; the files
+    // stay open in the parent until the child has exec'd.
+    unsafe {
+        command.pre_exec(move || {
+            for (to, from) in handed {
+                if libc::dup2(from, to) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let output = command.output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let received = api.recorded();
+    let request = received
+        .iter()
+        .rev()
+        .find(|r| r.path.ends_with("/vm.receive-migration"))
+        .unwrap();
+    assert_eq!(
+        request.body,
+        Some(json!({"receiver_url": "tcp:127.0.0.1:6000",
+            "vfio_fds": [{"id": "vfio0", "fd": 5}], "iommufd_fd": 6}))
+    );
+    assert_eq!(
+        request.fds,
+        [identity(&cdev), identity(&iommu)],
+        "the VMM did not get the caller's descriptors, in order"
+    );
+
+    // A descriptor the caller did not open: refused before any request.
     let before = api.recorded().len();
-    let (code, text) = receive("receiver_url=tcp:127.0.0.1:6000,vfio_fds=[vfio0@5]");
+    let (code, text) = receive("receiver_url=tcp:127.0.0.1:6000,vfio_fds=[vfio0@57],iommufd_fd=58");
     assert_eq!(code, Some(2), "{text}");
-    assert!(text.contains("vfio_fds is not supported yet"), "{text}");
+    assert!(
+        text.contains("descriptor 57 is not open in rdmamig-vmm"),
+        "{text}"
+    );
     assert_eq!(
         api.recorded().len(),
         before,

@@ -29,8 +29,9 @@
 //!   when it no longer answers.
 
 use std::collections::{BTreeMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
@@ -39,7 +40,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
-use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request};
+use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request, VfioFd};
 use crate::ch_events::{self, EventReader};
 use crate::{vsock, AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
 use crate::{Held, MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError};
@@ -63,6 +64,40 @@ const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
 /// How much of the end of the VMM's log a failed migration reports.
 const LOG_TAIL: usize = 2048;
 
+/// VFIO devices a receiving Cloud Hypervisor gets as open descriptors with its
+/// `vm.receive-migration` (its main branch after v53, NOTES.md): each device's VFIO cdev under
+/// the id the VM's config gives it, and a fresh `/dev/iommu`, so that the destination's VF may
+/// sit at another address than the source's.
+#[derive(Debug, Clone, Default)]
+pub struct VfioHandover {
+    /// (device id, its cdev `/dev/vfio/devices/vfioN`).
+    pub devices: Vec<(String, Arc<OwnedFd>)>,
+    /// `/dev/iommu`.
+    pub iommufd: Option<Arc<OwnedFd>>,
+}
+
+impl VfioHandover {
+    /// The descriptors in the order they are sent: the devices', then the iommufd.
+    fn fds(&self) -> Vec<Arc<OwnedFd>> {
+        self.devices
+            .iter()
+            .map(|(_, fd)| fd.clone())
+            .chain(self.iommufd.clone())
+            .collect()
+    }
+
+    /// The body's `vfio_fds`: each id with its descriptor's number here.
+    fn vfio_fds(&self) -> Vec<VfioFd> {
+        self.devices
+            .iter()
+            .map(|(id, fd)| VfioFd {
+                id: id.clone(),
+                fd: fd.as_raw_fd(),
+            })
+            .collect()
+    }
+}
+
 /// How to reach one Cloud Hypervisor process.
 #[derive(Debug, Clone)]
 pub struct ChConfig {
@@ -79,6 +114,9 @@ pub struct ChConfig {
     /// Mutual TLS for the migration stream over tcp (`tls_dir`): this VMM's CA and
     /// certificate, sent with its receive (server) or its send (client).
     pub tls_dir: Option<PathBuf>,
+    /// VFIO devices handed to this VMM with its receive (ch-remote's `vfio_fds=`,
+    /// `iommufd_fd=`).
+    pub vfio_handover: VfioHandover,
     /// Wait for each API answer.
     pub answer_timeout: Duration,
     /// Wait for the hybrid vsock handshake (`OK <port>`).
@@ -100,6 +138,7 @@ impl ChConfig {
             event_monitor: None,
             log_file: None,
             tls_dir: None,
+            vfio_handover: VfioHandover::default(),
             answer_timeout: Duration::from_secs(10),
             agent_timeout: Duration::from_secs(5),
             receive_timeout: Duration::from_secs(3600),
@@ -455,15 +494,19 @@ impl Vmm for ChVmm {
                 "deleted the VM a failed receive left before receiving again"
             );
         }
+        let handover = &self.config.vfio_handover;
         let request = Request::ReceiveMigration {
             receiver_url: uri.into(),
             tls_dir: self.tls_dir(),
+            vfio_fds: handover.vfio_fds(),
+            iommufd_fd: handover.iommufd.as_ref().map(|fd| fd.as_raw_fd()),
         };
+        let fds = handover.fds();
         let api = self.api.clone();
         let timeout = self.config.receive_timeout;
         let object = uri.to_string();
         let task = tokio::spawn(async move {
-            api.call_within(Endpoint::VmReceiveMigration, Some(&request), timeout)
+            api.call_handing(Endpoint::VmReceiveMigration, &request, timeout, fds)
                 .await
                 .map(drop)
                 .map_err(|e| received_error(e, &object))

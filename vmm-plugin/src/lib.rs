@@ -32,6 +32,7 @@ pub mod ch_api;
 pub mod ch_events;
 pub mod cloud_hypervisor;
 pub mod device;
+mod fd_passing;
 pub mod migration;
 pub mod qemu;
 pub mod qmp;

@@ -117,9 +117,13 @@ fn sample_request(endpoint: Endpoint) -> Option<Request> {
             connections: Some(4),
             tls_dir: Some("/etc/tls".into()),
         },
+        // vfio_fds and iommufd_fd are not in the spec at ae44c29 (NOTES.md: its main branch
+        // after v53); their bodies are checked in tests/tests/ch_move.rs.
         Endpoint::VmReceiveMigration => Request::ReceiveMigration {
             receiver_url: "unix:/run/mig.sock".into(),
             tls_dir: None,
+            vfio_fds: Vec::new(),
+            iommufd_fd: None,
         },
         _ => return None,
     })

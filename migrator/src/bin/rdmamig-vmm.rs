@@ -21,6 +21,7 @@
 //! (the flags are the same declaration, [`rdmamig_migrator::flags`]). Each hook prints what
 //! happened as it happens (stderr) and one JSON line at the end (stdout).
 
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use rdmamig_migrator::pool::{Pool, PoolConfig};
 use rdmamig_migrator::report::{MoveEvent, MoveReport, VmLocation};
 use rdmamig_migrator::strategy::choose_for;
 use rdmamig_proto::text::error_chain;
+use rdmamig_vmm::cloud_hypervisor::VfioHandover;
 use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, Vmm};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -182,7 +184,9 @@ struct MigrateArgs {
 #[derive(Args)]
 struct ReceiveMigrationArgs {
     /// ch-remote's option list: receiver_url=tcp:HOST:PORT|unix:PATH[,tls_dir=DIR]
-    /// (vfio_fds= and iommufd_fd= are refused: not passed on yet).
+    /// [,vfio_fds=[ID@FD,...],iommufd_fd=FD]. The descriptors are the caller's, open when
+    /// rdmamig-vmm starts (`exec 5<>/dev/vfio/devices/vfio0 6<>/dev/iommu`), and are handed
+    /// to Cloud Hypervisor with the request (SCM_RIGHTS), each under its device's id.
     #[arg(value_name = "OPTIONS")]
     options: String,
     /// The longest the migration may take to arrive, s.
@@ -215,6 +219,19 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
+    // Descriptors a receive hands over are adopted before this process opens any of its own
+    // (the runtime's): a number the caller did not open is then found closed, never taken
+    // for one of rdmamig-vmm's.
+    let receive = match &cli.command {
+        Command::ReceiveMigration(args) => match adopt_handover(&args.options) {
+            Ok(adopted) => Some(adopted),
+            Err(message) => {
+                eprintln!("rdmamig-vmm receive-migration: {message}");
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -234,7 +251,11 @@ fn main() -> ExitCode {
         ),
         Command::ReceiveMigration(args) => (
             "receive-migration",
-            runtime.block_on(receive_migration(&cli.vmm, args)),
+            runtime.block_on(receive_migration(
+                &cli.vmm,
+                receive.expect("adopted above"),
+                args.timeout_s,
+            )),
         ),
     };
     match result {
@@ -353,10 +374,36 @@ async fn pre_migrate(vmm: &VmmFlags, args: PreMigrateArgs) -> Result<Value, Fail
     Err(failure(&report, line))
 }
 
+/// Parses a receive's options and takes ownership of the descriptors they hand over.
+fn adopt_handover(options: &str) -> Result<(ch_remote::ReceiveMigration, VfioHandover), String> {
+    let options = ch_remote::parse_receive_migration(options).map_err(|e| e.to_string())?;
+    let adopt = |fd: RawFd| -> Result<Arc<OwnedFd>, String> {
+        // SAFETY: F_GETFD only reads the descriptor's flags; it fails on a closed number.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
+            return Err(format!(
+                "descriptor {fd} is not open in rdmamig-vmm: open it in the calling shell \
+                 (exec {fd}<>/dev/vfio/devices/vfioN, or /dev/iommu for iommufd_fd)"
+            ));
+        }
+        // SAFETY: `fd` is open (checked above), 3 or more and named once (the parser refuses
+        // the standard streams and repeats), and this process has opened nothing of its own
+        // yet: it was inherited from the caller, who hands it over, so this is its one owner.
+        Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+    };
+    let mut handover = VfioHandover::default();
+    for (id, fd) in &options.vfio_fds {
+        handover.devices.push((id.clone(), adopt(*fd)?));
+    }
+    handover.iommufd = options.iommufd_fd.map(adopt).transpose()?;
+    Ok((options, handover))
+}
+
 /// Receives a migration into the Cloud Hypervisor at `--api-socket`, as ch-remote does.
-async fn receive_migration(vmm: &VmmFlags, args: ReceiveMigrationArgs) -> Result<Value, Failure> {
-    let options = ch_remote::parse_receive_migration(&args.options)
-        .map_err(|e| Failure::Usage(e.to_string()))?;
+async fn receive_migration(
+    vmm: &VmmFlags,
+    (options, handover): (ch_remote::ReceiveMigration, VfioHandover),
+    timeout_s: u64,
+) -> Result<Value, Failure> {
     let Some(api_socket) = &vmm.api_socket else {
         return Err(Failure::Usage(
             "receive-migration is Cloud Hypervisor's: give its --api-socket (QEMU receives \
@@ -371,7 +418,8 @@ async fn receive_migration(vmm: &VmmFlags, args: ReceiveMigrationArgs) -> Result
     }
     let mut config = ChConfig::new(api_socket);
     config.tls_dir = options.tls_dir.or_else(|| vmm.tls_dir.clone());
-    config.receive_timeout = Duration::from_secs(args.timeout_s);
+    config.receive_timeout = Duration::from_secs(timeout_s);
+    config.vfio_handover = handover;
     let started = Instant::now();
     let ch = ChVmm::connect(config)
         .await
@@ -381,9 +429,9 @@ async fn receive_migration(vmm: &VmmFlags, args: ReceiveMigrationArgs) -> Result
         .map_err(|e| failed(error_chain(&e)))?;
     eprintln!(
         "rdmamig-vmm receive-migration: receiving on {} (at most {} s)",
-        options.receiver_url, args.timeout_s
+        options.receiver_url, timeout_s
     );
-    ch.wait_received(Duration::from_secs(args.timeout_s))
+    ch.wait_received(Duration::from_secs(timeout_s))
         .await
         .map_err(|e| failed(error_chain(&e)))?;
     Ok(json!({
