@@ -332,6 +332,25 @@ pub fn migrate_command_as(socket: &Path, vm: &str, src: &Guest, dst: &Guest) -> 
     command
 }
 
+/// Checks that the destination migrator whose log is `log` did each of its duties in a move
+/// for the migrator it knows as `peer`, over the peer channel.
+pub fn assert_served_a_move(log: &Path, peer: &str) {
+    let text = std::fs::read_to_string(log)
+        .unwrap_or_else(|e| panic!("the destination's log {}: {e}", log.display()));
+    for call in [
+        "Reserve",
+        "PrepareReceive",
+        "ConfirmReceived",
+        "Attach",
+        "Resume",
+    ] {
+        assert!(
+            text.contains(&format!("peer request peer={peer} call={call} ")),
+            "{call}: {text}"
+        );
+    }
+}
+
 /// The port the peer serves a [`MoveGuests::start_flow`] on.
 pub const FLOW_PORT: u16 = 7471;
 

@@ -35,7 +35,7 @@ use rdmamig_testbed::ch_facade::ChFacade;
 use rdmamig_testbed::ch_spec::{check_against_spec, refusal, successful, vm_info, FakeCh};
 use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{finish_clean_flow, GuestOptions, MoveGuests};
+use rdmamig_testbed::steps::{assert_served_a_move, finish_clean_flow, GuestOptions, MoveGuests};
 use rdmamig_testbed::{bin_dir, error_chain, GuestBinaries, Testbed};
 use serde_json::{json, Value};
 
@@ -445,19 +445,7 @@ fn check_peer_duties(
         format!("migrator dst (127.0.0.1:{port})").as_str()
     );
     assert_eq!(details("attach")["function"], "vf0", "{report:#}");
-    let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log"))?;
-    for call in [
-        "Reserve",
-        "PrepareReceive",
-        "ConfirmReceived",
-        "Attach",
-        "Resume",
-    ] {
-        assert!(
-            log.contains(&format!("peer request peer=src call={call} ")),
-            "{call}: {log}"
-        );
-    }
+    assert_served_a_move(&bed.dir().join("destination-daemon.log"), "src");
     let state = daemon.pool_function("vf0");
     assert_eq!(state["state"], "attached", "{state}");
     assert_eq!(state["vm"], "vm", "{state}");

@@ -29,7 +29,9 @@ use rdmamig_migrator::peer::{
 use rdmamig_migrator::plan::Endpoint;
 use rdmamig_testbed::pki::{free_port, Pki};
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests};
+use rdmamig_testbed::steps::{
+    assert_served_a_move, finish_clean_flow, migrate_command, MoveGuests,
+};
 use rdmamig_testbed::{error_chain, Testbed};
 use rdmamig_vmm::DeviceSpec;
 use serde_json::Value;
@@ -331,19 +333,7 @@ fn a_vm_moves_to_another_migrators_qemu_over_mutual_tls_and_refusals_roll_back()
          (another migrator's, or a workflow's): ask for --strategy hot to move it anyway"
     );
     // The destination migrator did each duty for the source, over the channel.
-    let log = std::fs::read_to_string(bed.dir().join("destination-daemon.log")).unwrap();
-    for call in [
-        "Reserve",
-        "PrepareReceive",
-        "ConfirmReceived",
-        "Attach",
-        "Resume",
-    ] {
-        assert!(
-            log.contains(&format!("peer request peer=src call={call} ")),
-            "{call}: {log}"
-        );
-    }
+    assert_served_a_move(&bed.dir().join("destination-daemon.log"), "src");
     // The source's function went back to its pool (an emulated NIC has nothing to reset).
     assert_eq!(source.pool_function("tap0")["state"], "free");
     assert_eq!(details("resume")["failed"], 0);
