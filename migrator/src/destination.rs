@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use rdmamig_proto::ConnectionId;
-use rdmamig_vmm::{DeviceSpec, VmPhase, Vmm, VmmError};
+use rdmamig_vmm::{DeviceSpec, VfioHandover, VmPhase, Vmm, VmmError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
@@ -22,6 +22,7 @@ use crate::backends::{open_agent, Backends};
 use crate::plan::Endpoint;
 use crate::pool::{device_for, Attachment, Pool};
 use crate::step::{StepError, GRACE};
+use crate::vfio::open_handover;
 
 /// What a move names when it asks the destination for something.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +47,17 @@ pub struct Plugged {
     pub bdf: Option<String>,
 }
 
+/// A reserved function handed to the receiving VMM with its receive, as device `device` of
+/// the VM: under `hot` on Cloud Hypervisor the device's state migrates into it (the VMM takes
+/// it as open descriptors, [`rdmamig_vmm::VfioHandover`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandOver {
+    /// The device's id in the VM's config.
+    pub device: String,
+    /// The destination's pool function, reserved for the move.
+    pub function: String,
+}
+
 /// The destination's duties in a move. Every call is bounded by `deadline`.
 #[async_trait]
 pub trait DestinationHost: Send + Sync {
@@ -60,12 +72,13 @@ pub trait DestinationHost: Send + Sync {
     ) -> Result<(String, Attachment), StepError>;
 
     /// Checks that the destination VMM waits for a migration and readies it to receive at
-    /// `via`.
+    /// `via`, handing it `hand_over`'s function when given.
     async fn prepare_receive(
         &self,
         endpoint: &Endpoint,
         of: &MoveRef,
         via: &str,
+        hand_over: Option<&HandOver>,
         deadline: Duration,
     ) -> Result<(), StepError>;
 
@@ -137,6 +150,33 @@ impl LocalDestination {
         }
     }
 
+    /// Opens `hand_over`'s function for the receiving VMM: it must be a VF reserved for this
+    /// move.
+    fn open_hand_over(
+        &self,
+        hand_over: &HandOver,
+        of: &MoveRef,
+    ) -> Result<VfioHandover, StepError> {
+        let refused = |reason: String| StepError::NoHandOver {
+            function: hand_over.function.clone(),
+            reason,
+        };
+        if !self.pool.reserved_for(&hand_over.function, &of.move_id) {
+            return Err(refused(format!("not reserved for move {}", of.move_id)));
+        }
+        match self.pool.attachment(&hand_over.function) {
+            Some(Attachment::Vfio { pci }) => Ok(open_handover(
+                self.pool.sysfs(),
+                self.pool.dev(),
+                &[(hand_over.device.clone(), pci)],
+            )?),
+            Some(Attachment::Emulated { .. }) => Err(refused(
+                "an emulated function has no VFIO device to hand over".into(),
+            )),
+            None => Err(refused("not in this host's pool".into())),
+        }
+    }
+
     async fn vmm(&self, endpoint: &Endpoint) -> Result<Arc<dyn Vmm>, VmmError> {
         let mut slot = self.vmm.lock().await;
         if let Some((connected, vmm)) = slot.as_ref() {
@@ -177,10 +217,15 @@ impl DestinationHost for LocalDestination {
     async fn prepare_receive(
         &self,
         endpoint: &Endpoint,
-        _of: &MoveRef,
+        of: &MoveRef,
         via: &str,
+        hand_over: Option<&HandOver>,
         deadline: Duration,
     ) -> Result<(), StepError> {
+        let handover = match hand_over {
+            Some(hand_over) => self.open_hand_over(hand_over, of)?,
+            None => VfioHandover::default(),
+        };
         bounded(deadline, async {
             let vmm = self.vmm(endpoint).await?;
             let status = vmm.status().await?;
@@ -192,7 +237,7 @@ impl DestinationHost for LocalDestination {
                                Cloud Hypervisor without a VM)",
                 });
             }
-            Ok(vmm.prepare_incoming(via).await?)
+            Ok(vmm.prepare_incoming(via, handover).await?)
         })
         .await
     }
@@ -230,7 +275,7 @@ impl DestinationHost for LocalDestination {
                     &attachment,
                     device.properties().get("mac").and_then(|m| m.as_str()),
                 ) {
-                    crate::vf_mac::set(&crate::vfio::Sysfs::default(), pci, mac)?;
+                    crate::vf_mac::set(self.pool.sysfs(), pci, mac)?;
                 }
                 device_for(&attachment, device)
             }
@@ -305,5 +350,116 @@ impl DestinationHost for LocalDestination {
         _deadline: Duration,
     ) -> Result<(), StepError> {
         Ok(self.pool.release(function, &of.move_id, &of.vm)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fakes::{FakeBackends, FakeHost};
+
+    /// A host whose pool has VF `vf0` (with a VFIO cdev under fake sysfs and /dev trees) and
+    /// emulated `tap0`, both reserved for move `m`; and a VF `vf9` left free.
+    struct Host {
+        fake: FakeHost,
+        destination: LocalDestination,
+        _trees: tempfile::TempDir,
+    }
+
+    fn host() -> Host {
+        let trees = tempfile::tempdir().unwrap();
+        let sys = trees.path().join("sys");
+        let dev = trees.path().join("dev");
+        std::fs::create_dir_all(sys.join("bus/pci/devices/0000:3b:02.1/vfio-dev/vfio3")).unwrap();
+        std::fs::create_dir_all(dev.join("vfio/devices")).unwrap();
+        std::fs::write(dev.join("vfio/devices/vfio3"), "").unwrap();
+        std::fs::write(dev.join("iommu"), "").unwrap();
+        let config: crate::config::Config = toml::from_str(
+            "[[pool.function]]\nname = \"vf0\"\npci = \"0000:3b:02.1\"\n\
+             [[pool.function]]\nname = \"tap0\"\ndevice = \"driver=e1000e,netdev=nd0\"\n\
+             [[pool.function]]\nname = \"vf9\"\npci = \"0000:3b:02.7\"\n",
+        )
+        .unwrap();
+        let pool = Arc::new(
+            Pool::open(&config.pool, &trees.path().join("pool.json"))
+                .unwrap()
+                .with_host_roots(crate::vfio::Sysfs::new(&sys), &dev),
+        );
+        // Reservations go in name order; vf9 is freed again.
+        for _ in 0..3 {
+            pool.reserve("m").unwrap();
+        }
+        pool.release("vf9", "m", "vm1").unwrap();
+        let fake = FakeHost::new();
+        let destination = LocalDestination::new(Arc::new(FakeBackends(fake.clone())), pool);
+        Host {
+            fake,
+            destination,
+            _trees: trees,
+        }
+    }
+
+    fn of() -> MoveRef {
+        MoveRef {
+            move_id: "m".into(),
+            vm: "vm1".into(),
+        }
+    }
+
+    fn hand(function: &str) -> HandOver {
+        HandOver {
+            device: "vf0".into(),
+            function: function.into(),
+        }
+    }
+
+    async fn prepare(host: &Host, hand_over: Option<&HandOver>) -> Result<(), StepError> {
+        let endpoint = crate::plan::tests::plan().destination.unwrap();
+        host.destination
+            .prepare_receive(
+                &endpoint,
+                &of(),
+                "tcp:0:6000",
+                hand_over,
+                Duration::from_secs(5),
+            )
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_reserved_vf_is_handed_to_the_receiving_vmm_under_the_vms_device_id() {
+        let host = host();
+        prepare(&host, Some(&hand("vf0"))).await.unwrap();
+        assert_eq!(host.fake.state().handed, ["vf0"]);
+    }
+
+    #[tokio::test]
+    async fn only_a_vf_reserved_for_the_move_is_handed_over() {
+        let host = host();
+        for (function, reason) in [
+            (
+                "vf9",
+                "function vf9 cannot be handed to the receiving VMM: not reserved for move m",
+            ),
+            (
+                "tap0",
+                "function tap0 cannot be handed to the receiving VMM: an emulated function has \
+                 no VFIO device to hand over",
+            ),
+        ] {
+            let e = prepare(&host, Some(&hand(function))).await.unwrap_err();
+            assert_eq!(e.to_string(), reason);
+        }
+        assert!(
+            !host
+                .fake
+                .state()
+                .calls
+                .iter()
+                .any(|c| c == "dst.prepare_incoming"),
+            "the VMM was asked to receive"
+        );
+        prepare(&host, None).await.unwrap();
+        assert!(host.fake.state().handed.is_empty());
     }
 }

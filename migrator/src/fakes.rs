@@ -19,7 +19,7 @@ use rdmamig_proto::agent::{
 use rdmamig_proto::ConnectionId;
 use rdmamig_vmm::{
     AddedDevice, AgentStream, DeviceSpec, Held, MigrationLimits, MigrationProgress,
-    MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError,
+    MigrationStatus, ProgressFn, VfioHandover, VmPhase, VmStatus, Vmm, VmmError,
 };
 
 use crate::agent::{AgentError, GuestAgent, Outcomes};
@@ -76,6 +76,8 @@ pub struct HostState {
     /// The guest's programs that hold the RDMA device without the library; a release
     /// ends them.
     pub unmanaged: Vec<UnmanagedProgram>,
+    /// The ids of the VFIO devices the destination's receive was handed.
+    pub handed: Vec<String>,
 }
 
 /// A handle on the fake host; clones share it.
@@ -101,6 +103,7 @@ impl FakeHost {
             unplug_pending: None,
             holder_lets_go_after: None,
             unmanaged: Vec::new(),
+            handed: Vec::new(),
         })))
     }
 
@@ -225,9 +228,10 @@ impl Vmm for FakeVmm {
         })
     }
 
-    async fn prepare_incoming(&self, _uri: &str) -> Result<(), VmmError> {
+    async fn prepare_incoming(&self, _uri: &str, handover: VfioHandover) -> Result<(), VmmError> {
         self.check_alive("prepare incoming migration")?;
         self.host.call("dst.prepare_incoming");
+        self.host.state().handed = handover.devices.iter().map(|(id, _)| id.clone()).collect();
         Ok(())
     }
 
@@ -306,6 +310,9 @@ impl Vmm for FakeVmm {
                     state.source_state = "postmigrate".into();
                     state.destination_state = "running".into();
                     state.guest = Where::Destination;
+                    // What is still plugged moves with the VM (hot: the device).
+                    let moved = std::mem::take(&mut state.source_devices);
+                    state.destination_devices.extend(moved);
                 }
                 let done = sample(MigrationStatus::Completed);
                 progress(&done);

@@ -255,6 +255,9 @@ pub struct Pool {
     states: Mutex<BTreeMap<String, FunctionState>>,
     reservation_ms: u64,
     path: PathBuf,
+    /// Where the functions are on this host: its sysfs, and its /dev (their VFIO nodes).
+    sysfs: Sysfs,
+    dev: PathBuf,
 }
 
 impl Pool {
@@ -341,7 +344,26 @@ impl Pool {
             states: Mutex::new(states),
             reservation_ms: reservation_s * 1000,
             path: state_file.into(),
+            sysfs: Sysfs::default(),
+            dev: PathBuf::from("/dev"),
         })
+    }
+
+    /// The same pool, with this host's sysfs and /dev elsewhere (tests: fake trees).
+    pub fn with_host_roots(mut self, sysfs: Sysfs, dev: impl Into<PathBuf>) -> Pool {
+        self.sysfs = sysfs;
+        self.dev = dev.into();
+        self
+    }
+
+    /// This host's sysfs, where the functions are.
+    pub fn sysfs(&self) -> &Sysfs {
+        &self.sysfs
+    }
+
+    /// This host's /dev, where the functions' VFIO nodes are.
+    pub fn dev(&self) -> &Path {
+        &self.dev
     }
 
     /// Every function with its state (expired reservations shown free).
@@ -380,6 +402,15 @@ impl Pool {
         self.save(&next)?;
         *states = next;
         Ok((name.clone(), self.functions[&name].clone()))
+    }
+
+    /// Whether function `name` is reserved for `move_id` now.
+    pub fn reserved_for(&self, name: &str, move_id: &str) -> bool {
+        let now = unix_ms();
+        self.lock().get(name).is_some_and(|state| {
+            matches!(state, FunctionState::Reserved { move_id: m, .. } if m == move_id)
+                && effective(state, now) != FunctionState::Free
+        })
     }
 
     /// Marks a function reserved for `move_id` as attached to `vm`.

@@ -104,6 +104,17 @@ pub enum StepError {
         /// This host.
         here: String,
     },
+    /// A destination function cannot be handed to the receiving VMM.
+    #[error("function {function} cannot be handed to the receiving VMM: {reason}")]
+    NoHandOver {
+        /// The pool function.
+        function: String,
+        /// Why.
+        reason: String,
+    },
+    /// Opening a function's VFIO device nodes failed.
+    #[error(transparent)]
+    Vfio(#[from] crate::vfio::VfioError),
     /// Programs hold an RDMA device without the library, and the policy is `refuse`.
     #[error(
         "{count} program(s) in the guest hold an RDMA device without rdmamig's library, and \
@@ -138,6 +149,8 @@ impl StepError {
             | StepError::Interrupted { .. }
             | StepError::NotNamed { .. }
             | StepError::SourceElsewhere { .. }
+            | StepError::NoHandOver { .. }
+            | StepError::Vfio(_)
             | StepError::UnmanagedPrograms { .. } => false,
         }
     }

@@ -19,9 +19,12 @@
 //! `edu` device and an e1000e bound to vfio-pci): `rdmamig-vfio-check` and
 //! tests/tests/vfio.rs.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use rdmamig_vmm::VfioHandover;
 
 use thiserror::Error;
 use vfio_bindings::bindings::vfio::{vfio_device_info, VFIO_DEVICE_FLAGS_RESET};
@@ -100,6 +103,27 @@ pub enum VfioError {
         other: String,
         /// Its driver.
         driver: String,
+    },
+    /// The device has no VFIO cdev (the kernel lacks CONFIG_VFIO_DEVICE_CDEV, before Linux
+    /// 6.6, or the device is not on vfio-pci).
+    #[error(
+        "PCI device {address} has no VFIO cdev ({path} is missing: needs vfio-pci and a kernel \
+         with CONFIG_VFIO_DEVICE_CDEV, Linux 6.6 or later)"
+    )]
+    NoCdev {
+        /// The address.
+        address: String,
+        /// The sysfs directory that names it.
+        path: PathBuf,
+    },
+    /// A device node could not be opened.
+    #[error("cannot open {path}")]
+    OpenNode {
+        /// The node.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
     },
     /// A PF cannot have that many VFs.
     #[error("{address} supports at most {total} VFs, {asked} asked")]
@@ -312,6 +336,23 @@ impl Sysfs {
         }
     }
 
+    /// The device's VFIO cdev under `dev` (`<dev>/vfio/devices/vfioN`, N named by its
+    /// `vfio-dev/` directory).
+    pub fn vfio_cdev(&self, address: &str, dev: &Path) -> Result<PathBuf, VfioError> {
+        let named = self.existing(address)?.join("vfio-dev");
+        let missing = || VfioError::NoCdev {
+            address: address.into(),
+            path: named.clone(),
+        };
+        let entry = std::fs::read_dir(&named)
+            .map_err(|_| missing())?
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().into_string().ok())
+            .find(|name| name.starts_with("vfio"))
+            .ok_or_else(missing)?;
+        Ok(dev.join("vfio/devices").join(entry))
+    }
+
     /// The device's IOMMU group.
     pub fn iommu_group(&self, address: &str) -> Result<u32, VfioError> {
         let link = self.existing(address)?.join("iommu_group");
@@ -508,6 +549,31 @@ fn device_flags(device: &VfioDevice) -> std::io::Result<u32> {
     Ok(info.flags)
 }
 
+/// Opens what a receiving VMM needs to take `devices` over (Cloud Hypervisor's `vfio_fds`
+/// and `iommufd_fd`): each device's VFIO cdev under its id in the VM, and a fresh
+/// `<dev>/iommu`. `devices` are (id in the VM, PCI address).
+pub fn open_handover(
+    sysfs: &Sysfs,
+    dev: &Path,
+    devices: &[(String, String)],
+) -> Result<VfioHandover, VfioError> {
+    let open = |path: PathBuf| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map(|file| Arc::new(OwnedFd::from(file)))
+            .map_err(|source| VfioError::OpenNode { path, source })
+    };
+    let mut handover = VfioHandover::default();
+    for (id, address) in devices {
+        let cdev = sysfs.vfio_cdev(address, dev)?;
+        handover.devices.push((id.clone(), open(cdev)?));
+    }
+    handover.iommufd = Some(open(dev.join("iommu"))?);
+    Ok(handover)
+}
+
 /// Memory a function may reach by DMA: vm-memory's guest memory, the rust-vmm type VMMs
 /// give their devices, so that what this layer maps is laid out as a VMM lays it out.
 pub type DmaMemory = GuestMemoryMmap;
@@ -543,6 +609,64 @@ mod tests {
             }
         }
         root
+    }
+
+    #[test]
+    fn a_handover_opens_each_devices_cdev_and_a_fresh_iommufd() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let root = fake(&[
+            ("0000:3b:02.1", Some("vfio-pci"), Some(7)),
+            ("0000:3b:02.2", Some("vfio-pci"), Some(8)),
+        ]);
+        let sys_root = root.path();
+        std::fs::create_dir_all(sys_root.join("bus/pci/devices/0000:3b:02.1/vfio-dev/vfio3"))
+            .unwrap();
+        // Device nodes under a fake /dev: regular files stand in for them.
+        let dev = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dev.path().join("vfio/devices")).unwrap();
+        std::fs::write(dev.path().join("vfio/devices/vfio3"), "").unwrap();
+        std::fs::write(dev.path().join("iommu"), "").unwrap();
+        let sysfs_at_root = Sysfs::new(sys_root);
+        let handover = open_handover(
+            &sysfs_at_root,
+            dev.path(),
+            &[("vf0".into(), "0000:3b:02.1".into())],
+        )
+        .unwrap();
+        let inode = |path: &Path| std::fs::metadata(path).unwrap().ino();
+        let fd_inode = |fd: &OwnedFd| {
+            std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .unwrap()
+                .ino()
+        };
+        assert_eq!(handover.devices.len(), 1);
+        assert_eq!(handover.devices[0].0, "vf0");
+        assert_eq!(
+            fd_inode(&handover.devices[0].1),
+            inode(&dev.path().join("vfio/devices/vfio3"))
+        );
+        assert_eq!(
+            fd_inode(handover.iommufd.as_ref().unwrap()),
+            inode(&dev.path().join("iommu"))
+        );
+        // A function without a cdev (an older kernel) is named, with what is missing.
+        let err = open_handover(
+            &sysfs_at_root,
+            dev.path(),
+            &[("vf1".into(), "0000:3b:02.2".into())],
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("PCI device 0000:3b:02.2 has no VFIO cdev"),
+            "{err}"
+        );
+        // A device this sysfs does not have.
+        assert!(matches!(
+            Sysfs::new(sys_root.join("elsewhere")).vfio_cdev("0000:3b:02.1", dev.path()),
+            Err(VfioError::NoDevice { .. })
+        ));
     }
 
     #[test]

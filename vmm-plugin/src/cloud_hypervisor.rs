@@ -43,7 +43,7 @@ use tokio::task::JoinHandle;
 use crate::ch_api::{ApiClient, ApiError, Endpoint, PciDeviceInfo, Request, VfioFd};
 use crate::ch_events::{self, EventReader};
 use crate::{vsock, AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
-use crate::{Held, MigrationStatus, ProgressFn, VmPhase, VmStatus, Vmm, VmmError};
+use crate::{Held, MigrationStatus, ProgressFn, VfioHandover, VmPhase, VmStatus, Vmm, VmmError};
 
 /// [`VmStatus::state`] of a Cloud Hypervisor that holds no VM (`vm.info` answers 404).
 pub const NO_VM: &str = "no VM";
@@ -64,38 +64,27 @@ const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
 /// How much of the end of the VMM's log a failed migration reports.
 const LOG_TAIL: usize = 2048;
 
-/// VFIO devices a receiving Cloud Hypervisor gets as open descriptors with its
-/// `vm.receive-migration` (its main branch after v53, NOTES.md): each device's VFIO cdev under
-/// the id the VM's config gives it, and a fresh `/dev/iommu`, so that the destination's VF may
-/// sit at another address than the source's.
-#[derive(Debug, Clone, Default)]
-pub struct VfioHandover {
-    /// (device id, its cdev `/dev/vfio/devices/vfioN`).
-    pub devices: Vec<(String, Arc<OwnedFd>)>,
-    /// `/dev/iommu`.
-    pub iommufd: Option<Arc<OwnedFd>>,
+/// The descriptors of `handover` in the order they are sent: the devices', then the
+/// iommufd.
+fn handed_fds(handover: &VfioHandover) -> Vec<Arc<OwnedFd>> {
+    handover
+        .devices
+        .iter()
+        .map(|(_, fd)| fd.clone())
+        .chain(handover.iommufd.clone())
+        .collect()
 }
 
-impl VfioHandover {
-    /// The descriptors in the order they are sent: the devices', then the iommufd.
-    fn fds(&self) -> Vec<Arc<OwnedFd>> {
-        self.devices
-            .iter()
-            .map(|(_, fd)| fd.clone())
-            .chain(self.iommufd.clone())
-            .collect()
-    }
-
-    /// The body's `vfio_fds`: each id with its descriptor's number here.
-    fn vfio_fds(&self) -> Vec<VfioFd> {
-        self.devices
-            .iter()
-            .map(|(id, fd)| VfioFd {
-                id: id.clone(),
-                fd: fd.as_raw_fd(),
-            })
-            .collect()
-    }
+/// The receive body's `vfio_fds`: each id with its descriptor's number here.
+fn vfio_fds(handover: &VfioHandover) -> Vec<VfioFd> {
+    handover
+        .devices
+        .iter()
+        .map(|(id, fd)| VfioFd {
+            id: id.clone(),
+            fd: fd.as_raw_fd(),
+        })
+        .collect()
 }
 
 /// How to reach one Cloud Hypervisor process.
@@ -114,9 +103,6 @@ pub struct ChConfig {
     /// Mutual TLS for the migration stream over tcp (`tls_dir`): this VMM's CA and
     /// certificate, sent with its receive (server) or its send (client).
     pub tls_dir: Option<PathBuf>,
-    /// VFIO devices handed to this VMM with its receive (ch-remote's `vfio_fds=`,
-    /// `iommufd_fd=`).
-    pub vfio_handover: VfioHandover,
     /// Wait for each API answer.
     pub answer_timeout: Duration,
     /// Wait for the hybrid vsock handshake (`OK <port>`).
@@ -138,7 +124,6 @@ impl ChConfig {
             event_monitor: None,
             log_file: None,
             tls_dir: None,
-            vfio_handover: VfioHandover::default(),
             answer_timeout: Duration::from_secs(10),
             agent_timeout: Duration::from_secs(5),
             receive_timeout: Duration::from_secs(3600),
@@ -473,7 +458,7 @@ impl Vmm for ChVmm {
             .await
     }
 
-    async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError> {
+    async fn prepare_incoming(&self, uri: &str, handover: VfioHandover) -> Result<(), VmmError> {
         let mut receiving = self.receiving.lock().await;
         if receiving.as_ref().is_some_and(|task| !task.is_finished()) {
             return Err(VmmError::Conflict {
@@ -494,14 +479,13 @@ impl Vmm for ChVmm {
                 "deleted the VM a failed receive left before receiving again"
             );
         }
-        let handover = &self.config.vfio_handover;
         let request = Request::ReceiveMigration {
             receiver_url: uri.into(),
             tls_dir: self.tls_dir(),
-            vfio_fds: handover.vfio_fds(),
+            vfio_fds: vfio_fds(&handover),
             iommufd_fd: handover.iommufd.as_ref().map(|fd| fd.as_raw_fd()),
         };
-        let fds = handover.fds();
+        let fds = handed_fds(&handover);
         let api = self.api.clone();
         let timeout = self.config.receive_timeout;
         let object = uri.to_string();

@@ -22,6 +22,8 @@
 //! conflict with what exists, a request the VMM refused (with its own words), a deadline
 //! that passed (naming the operation), and a VMM that went away.
 
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -95,6 +97,24 @@ pub struct AddedDevice {
 /// Called with every progress sample while a migration runs.
 pub type ProgressFn<'a> = &'a mut (dyn FnMut(&MigrationProgress) + Send);
 
+/// VFIO devices handed to a receiving VMM as open descriptors, so that the destination's VF
+/// may sit at another address than the source's (Cloud Hypervisor's main branch after v53
+/// takes them with its receive: `vfio_fds`, `iommufd_fd`; NOTES.md).
+#[derive(Debug, Clone, Default)]
+pub struct VfioHandover {
+    /// (the device's id in the VM's config, its VFIO cdev `/dev/vfio/devices/vfioN`).
+    pub devices: Vec<(String, Arc<OwnedFd>)>,
+    /// A fresh `/dev/iommu` for them.
+    pub iommufd: Option<Arc<OwnedFd>>,
+}
+
+impl VfioHandover {
+    /// Whether nothing is handed over.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.iommufd.is_none()
+    }
+}
+
 /// What a move needs from a VMM.
 ///
 /// Every call that waits takes a deadline; none waits unbounded.
@@ -124,8 +144,9 @@ pub trait Vmm: Send + Sync {
     /// (Cloud Hypervisor gets it as `/sys/bus/pci/devices/<BDF>`).
     async fn add_device(&self, device: &DeviceSpec) -> Result<AddedDevice, VmmError>;
 
-    /// Readies this (destination) VMM to receive a migration at `uri`.
-    async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError>;
+    /// Readies this (destination) VMM to receive a migration at `uri`, handing it the VFIO
+    /// devices of `handover` (none: the VMM has its devices already).
+    async fn prepare_incoming(&self, uri: &str, handover: VfioHandover) -> Result<(), VmmError>;
 
     /// Starts sending this VM to `uri` within `limits`; returns once the migration has
     /// started. Starting is not succeeding: only [`Vmm::wait_migration`] says how it ended.

@@ -23,7 +23,7 @@ use tokio::net::UnixStream;
 use crate::qmp::{EventStream, QmpClient, QmpError};
 use crate::{AddedDevice, AgentStream, DeviceSpec, MigrationLimits, MigrationProgress};
 use crate::{Held, MigrationStatus, ProgressFn, TimeoutStrategy, Vmm};
-use crate::{VmPhase, VmStatus, VmmError};
+use crate::{VfioHandover, VmPhase, VmStatus, VmmError};
 
 /// How to reach one QEMU process.
 #[derive(Debug, Clone)]
@@ -406,7 +406,16 @@ impl Vmm for QemuVmm {
         })
     }
 
-    async fn prepare_incoming(&self, uri: &str) -> Result<(), VmmError> {
+    async fn prepare_incoming(&self, uri: &str, handover: VfioHandover) -> Result<(), VmmError> {
+        if !handover.is_empty() {
+            return Err(VmmError::Unsupported {
+                operation: "prepare incoming migration",
+                vmm: "QEMU",
+                reason: "a QEMU destination takes its VF on its command line \
+                         (-device vfio-pci,host=...), not with the receive"
+                    .into(),
+            });
+        }
         self.watch_migration();
         self.run(
             "prepare incoming migration",

@@ -27,8 +27,8 @@ use rdmamig_testbed::ch_spec::{
 };
 use rdmamig_vmm::ch_api::{classify, ApiClient, ApiError, Endpoint, Request, PREFIX};
 use rdmamig_vmm::{
-    ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, TimeoutStrategy, VmPhase, Vmm,
-    VmmError,
+    ChConfig, ChVmm, DeviceSpec, MigrationLimits, MigrationStatus, TimeoutStrategy, VfioHandover,
+    VmPhase, Vmm, VmmError,
 };
 use serde_json::{json, Value};
 
@@ -246,7 +246,9 @@ async fn every_request_the_backend_sends_matches_the_spec() {
             .await
             .unwrap();
     }
-    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", VfioHandover::default())
+        .await
+        .unwrap();
     vmm.wait_received(Duration::from_secs(5)).await.unwrap();
     vmm.quit().await.unwrap();
     // The variants a configuration changes: local migration, TLS on receive.
@@ -260,7 +262,10 @@ async fn every_request_the_backend_sends_matches_the_spec() {
         .send_migration("unix:/run/mig.sock", &limits)
         .await
         .unwrap();
-    local.prepare_incoming("tcp:127.0.0.1:6001").await.unwrap();
+    local
+        .prepare_incoming("tcp:127.0.0.1:6001", VfioHandover::default())
+        .await
+        .unwrap();
     local.wait_received(Duration::from_secs(5)).await.unwrap();
 
     let recorded = fake.recorded();
@@ -406,7 +411,9 @@ async fn a_failed_receive_carries_the_chain() {
     }
     });
     let vmm = ChVmm::connect(fake.config()).await.unwrap();
-    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", VfioHandover::default())
+        .await
+        .unwrap();
     let err = vmm.wait_received(Duration::from_secs(5)).await.unwrap_err();
     assert!(
         matches!(&err, VmmError::MigrationFailed { reason, .. } if reason.ends_with("Socket error: failed to fill whole buffer")),
@@ -430,7 +437,9 @@ async fn the_receiver_confirms_a_received_migration_and_an_empty_vmm_is_no_vm() 
     let vmm = ChVmm::connect(fake.config()).await.unwrap();
     let empty = vmm.status().await.unwrap();
     assert_eq!(empty.phase, VmPhase::NoVm, "{empty:?}");
-    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", VfioHandover::default())
+        .await
+        .unwrap();
     vmm.confirm_received(Duration::from_secs(5)).await.unwrap();
     assert_eq!(vmm.status().await.unwrap().phase, VmPhase::Running);
     check_against_spec(&fake.recorded());
@@ -450,7 +459,9 @@ async fn a_migration_the_receiver_failed_or_never_got_is_not_confirmed() {
     }
     });
     let vmm = ChVmm::connect(fake.config()).await.unwrap();
-    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", VfioHandover::default())
+        .await
+        .unwrap();
     let err = vmm
         .confirm_received(Duration::from_secs(5))
         .await
@@ -685,7 +696,9 @@ async fn a_destination_a_failed_receive_left_created_receives_again() {
     let status = vmm.status().await.unwrap();
     assert_eq!(status.phase, VmPhase::NoVm, "{status:?}");
     assert_eq!(status.state, "Created");
-    vmm.prepare_incoming("tcp:127.0.0.1:6000").await.unwrap();
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", VfioHandover::default())
+        .await
+        .unwrap();
     // The receive request goes from a task of its own (it stays open until the end).
     let sent = |paths: &[String]| paths.iter().any(|p| p.ends_with("/vm.receive-migration"));
     let mut paths: Vec<String> = Vec::new();
@@ -707,4 +720,48 @@ async fn a_destination_a_failed_receive_left_created_receives_again() {
     // And it can be discarded: the real server's 200 from vmm.shutdown.
     vmm.quit().await.unwrap();
     check_against_spec(&fake.recorded());
+}
+
+/// A receive that hands VFIO devices over names them in the body (each id with its
+/// descriptor's number) and sends the descriptors beside the request, devices first, then
+/// the iommufd (the stand-in reads them as Cloud Hypervisor's server does, with recvmsg).
+#[tokio::test]
+async fn a_receive_hands_vfio_devices_over_beside_the_request() {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::unix::fs::MetadataExt;
+    let fake = FakeCh::start(successful);
+    let vmm = ChVmm::connect(fake.config()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let open = |name: &str| {
+        let file = std::fs::File::create(dir.path().join(name)).unwrap();
+        let meta = file.metadata().unwrap();
+        (Arc::new(OwnedFd::from(file)), (meta.dev(), meta.ino()))
+    };
+    let (cdev, cdev_id) = open("vfio3");
+    let (iommu, iommu_id) = open("iommu");
+    let handover = VfioHandover {
+        devices: vec![("vf0".into(), cdev.clone())],
+        iommufd: Some(iommu.clone()),
+    };
+    vmm.prepare_incoming("tcp:127.0.0.1:6000", handover)
+        .await
+        .unwrap();
+    vmm.wait_received(Duration::from_secs(5)).await.unwrap();
+    let recorded = fake.recorded();
+    let receive = recorded
+        .iter()
+        .find(|r| r.path.ends_with("/vm.receive-migration"))
+        .unwrap();
+    assert_eq!(
+        receive.body,
+        Some(json!({"receiver_url": "tcp:127.0.0.1:6000",
+            "vfio_fds": [{"id": "vf0", "fd": cdev.as_raw_fd()}],
+            "iommufd_fd": iommu.as_raw_fd()}))
+    );
+    assert_eq!(receive.fds, [cdev_id, iommu_id]);
+    // Only the receive carries descriptors.
+    assert!(recorded
+        .iter()
+        .filter(|r| !r.path.ends_with("/vm.receive-migration"))
+        .all(|r| r.fds.is_empty()));
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rdmamig_vmm::qmp::QmpError;
 use rdmamig_vmm::{
     vm_paused, DeviceSpec, MigrationLimits, MigrationStatus, QemuConfig, QemuVmm, TimeoutStrategy,
-    Vmm, VmmError,
+    VfioHandover, Vmm, VmmError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -235,7 +235,9 @@ async fn migrates_between_two_processes_with_progress() {
     let dst = destination.connect().await;
     assert_eq!(dst.status().await.unwrap().state, "inmigrate");
     let via = uri(&destination.path("mig.sock"));
-    dst.prepare_incoming(&via).await.unwrap();
+    dst.prepare_incoming(&via, VfioHandover::default())
+        .await
+        .unwrap();
 
     let start = Instant::now();
     src.send_migration(&via, &MigrationLimits::default())
@@ -285,7 +287,9 @@ async fn a_running_vm_is_paused_from_the_sources_stop_to_the_destinations_start(
     let dst = destination.connect().await;
     assert!(src.status().await.unwrap().running);
     let via = uri(&destination.path("mig.sock"));
-    dst.prepare_incoming(&via).await.unwrap();
+    dst.prepare_incoming(&via, VfioHandover::default())
+        .await
+        .unwrap();
     src.send_migration(&via, &MigrationLimits::default())
         .await
         .unwrap();
@@ -320,7 +324,9 @@ async fn a_cancelled_migration_is_an_error_and_the_source_keeps_the_vm() {
         .await
         .unwrap();
     let via = uri(&destination.path("mig.sock"));
-    dst.prepare_incoming(&via).await.unwrap();
+    dst.prepare_incoming(&via, VfioHandover::default())
+        .await
+        .unwrap();
     src.send_migration(&via, &MigrationLimits::default())
         .await
         .unwrap();
@@ -371,7 +377,9 @@ async fn limits_set_the_downtime_and_a_migration_past_its_timeout_is_cancelled()
         .await
         .unwrap();
     let via = uri(&destination.path("mig.sock"));
-    dst.prepare_incoming(&via).await.unwrap();
+    dst.prepare_incoming(&via, VfioHandover::default())
+        .await
+        .unwrap();
     let limits = MigrationLimits {
         downtime: Some(Duration::from_millis(123)),
         timeout: Some(Duration::from_secs(1)),
@@ -447,7 +455,9 @@ async fn past_its_timeout_with_the_ignore_strategy_a_migration_completes_and_loc
         )
         .await
         .unwrap();
-    dst.prepare_incoming(&via).await.unwrap();
+    dst.prepare_incoming(&via, VfioHandover::default())
+        .await
+        .unwrap();
     let limits = MigrationLimits {
         downtime: Some(Duration::from_millis(1)),
         timeout: Some(Duration::from_secs(1)),

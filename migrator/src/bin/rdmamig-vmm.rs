@@ -40,8 +40,7 @@ use rdmamig_migrator::pool::{Pool, PoolConfig};
 use rdmamig_migrator::report::{MoveEvent, MoveReport, VmLocation};
 use rdmamig_migrator::strategy::choose_for;
 use rdmamig_proto::text::error_chain;
-use rdmamig_vmm::cloud_hypervisor::VfioHandover;
-use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, Vmm};
+use rdmamig_vmm::{ChConfig, ChVmm, DeviceSpec, VfioHandover, Vmm};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -419,12 +418,11 @@ async fn receive_migration(
     let mut config = ChConfig::new(api_socket);
     config.tls_dir = options.tls_dir.or_else(|| vmm.tls_dir.clone());
     config.receive_timeout = Duration::from_secs(timeout_s);
-    config.vfio_handover = handover;
     let started = Instant::now();
     let ch = ChVmm::connect(config)
         .await
         .map_err(|e| failed(error_chain(&e)))?;
-    ch.prepare_incoming(&options.receiver_url)
+    ch.prepare_incoming(&options.receiver_url, handover)
         .await
         .map_err(|e| failed(error_chain(&e)))?;
     eprintln!(

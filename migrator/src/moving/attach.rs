@@ -4,14 +4,25 @@ use super::*;
 
 impl Mover {
     pub(super) async fn attach(&mut self, deadline: Duration) -> Result<Finished, StepError> {
-        if let Some(why) = self.strategy.steps().device_moves {
-            return Ok(Finished::skipped(why));
-        }
+        let device = match self.strategy.steps().device_moves {
+            // The device came with the VM, into the function handed to the receiving VMM:
+            // the attach finds it there and records the function as attached.
+            Some(_) if self.function.is_some() => {
+                DeviceSpec::parse(&format!("driver=vfio-pci,id={}", self.plan.detach)).map_err(
+                    |_| StepError::NotNamed {
+                        what: "the device that moved (--detach ID)",
+                    },
+                )?
+            }
+            Some(why) => return Ok(Finished::skipped(why)),
+            None => self.plan.attach.clone().ok_or(StepError::NotNamed {
+                what: "the device to attach",
+            })?,
+        };
         let destination = self.destination()?;
         let endpoint = self.destination_endpoint()?;
-        let device = self.plan.attach.clone().ok_or(StepError::NotNamed {
-            what: "the device to attach",
-        })?;
+        let device_moved = self.strategy.steps().device_moves.is_some();
+        let check_first = self.recovered_from.is_some() || device_moved;
         let function = self.function.as_ref().map(|(name, _)| name.as_str());
         let plugged = destination
             .attach(
@@ -19,7 +30,7 @@ impl Mover {
                 &self.move_ref(),
                 function,
                 &device,
-                self.recovered_from.is_some(),
+                check_first,
                 deadline,
             )
             .await?;

@@ -57,14 +57,16 @@ use rdmamig_proto::agent::{
 use rdmamig_proto::clock::millis;
 use rdmamig_proto::text::error_chain;
 use rdmamig_proto::ConnectionId;
-use rdmamig_vmm::{vm_paused, MigrationProgress, MigrationStatus, VmPhase, Vmm, VmmError};
+use rdmamig_vmm::{
+    vm_paused, DeviceSpec, MigrationProgress, MigrationStatus, VmPhase, Vmm, VmmError,
+};
 use serde_json::{Map, Value};
 use thiserror::Error;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::agent::{GuestAgent, Outcomes};
 use crate::backends::{open_agent, Backends};
-use crate::destination::{DestinationHost, LocalDestination, MoveRef};
+use crate::destination::{DestinationHost, HandOver, LocalDestination, MoveRef};
 use crate::journal::{Journal, JournalError, Record, Replay};
 use crate::machine::{transition, InvalidTransition, Phase};
 use crate::peer::tls::{PeerError, PeerTls};
@@ -593,6 +595,18 @@ impl Mover {
         self.plan.destination.clone().ok_or(StepError::NotNamed {
             what: "the destination VMM",
         })
+    }
+
+    /// Whether the destination VMM is handed the reserved function with its receive: `hot`
+    /// on Cloud Hypervisor, whose receiving VMM takes a VF as descriptors (a QEMU destination
+    /// was started with its device).
+    fn hands_over_at_receive(&self) -> bool {
+        self.strategy.steps().device_moves.is_some()
+            && self.plan.from_pool
+            && matches!(
+                self.plan.destination,
+                Some(Endpoint::CloudHypervisor { .. })
+            )
     }
 
     fn move_ref(&self) -> MoveRef {

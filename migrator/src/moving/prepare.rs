@@ -35,8 +35,11 @@ impl Mover {
         if let Some(destination) = &destination {
             details.insert("destination".into(), destination.describe().into());
         }
-        // hot plugs nothing: the destination VMM was started with the device.
-        let reserve = self.plan.from_pool && self.strategy.steps().device_moves.is_none();
+        // hot plugs nothing: a QEMU destination was started with the device; a Cloud
+        // Hypervisor one is handed the reserved function with its receive.
+        let hand_over_at_receive = self.hands_over_at_receive();
+        let reserve = self.plan.from_pool
+            && (self.strategy.steps().device_moves.is_none() || hand_over_at_receive);
         if let Some(destination) = destination.as_ref().filter(|_| reserve) {
             let (function, attachment) = destination
                 .reserve(&self.move_ref(), deadline.saturating_sub(start.elapsed()))
@@ -93,15 +96,27 @@ impl Mover {
             }
         }
         if let Some(destination) = destination {
+            let hand_over =
+                self.function
+                    .as_ref()
+                    .filter(|_| hand_over_at_receive)
+                    .map(|(function, _)| HandOver {
+                        device: self.plan.detach.clone(),
+                        function: function.clone(),
+                    });
             destination
                 .prepare_receive(
                     &self.destination_endpoint()?,
                     &self.move_ref(),
                     &self.plan.via,
+                    hand_over.as_ref(),
                     deadline.saturating_sub(start.elapsed()),
                 )
                 .await?;
             details.insert("via".into(), self.plan.via.clone().into());
+            if let Some(hand_over) = hand_over {
+                details.insert("handed_over".into(), hand_over.function.into());
+            }
         }
         Ok(Finished::ok(details))
     }

@@ -1037,3 +1037,73 @@ async fn a_hot_move_under_a_workflow_pauses_before_the_hand_over() {
         "{calls:?}"
     );
 }
+
+/// `hot` to a Cloud Hypervisor destination, with a VF from the destination's pool: it is
+/// reserved at prepare and handed to the receiving VMM under the VM's device id; after the
+/// migration the attach finds the device there (it moved with the VM) and plugs nothing, and
+/// the pool shows the VF attached.
+#[tokio::test]
+async fn a_hot_move_to_cloud_hypervisor_hands_a_reserved_vf_to_the_receiving_vmm() {
+    let dir = tempfile::tempdir().unwrap();
+    let sys = dir.path().join("sys");
+    let dev = dir.path().join("dev");
+    std::fs::create_dir_all(sys.join("bus/pci/devices/0000:3b:02.1/vfio-dev/vfio3")).unwrap();
+    std::fs::create_dir_all(dev.join("vfio/devices")).unwrap();
+    std::fs::write(dev.join("vfio/devices/vfio3"), "").unwrap();
+    std::fs::write(dev.join("iommu"), "").unwrap();
+    let config: crate::config::Config =
+        toml::from_str("[[pool.function]]\nname = \"vf0\"\npci = \"0000:3b:02.1\"\n").unwrap();
+    let mut bed = Bed::new();
+    bed.pool = Arc::new(
+        Pool::open(&config.pool, &dir.path().join("pool.json"))
+            .unwrap()
+            .with_host_roots(crate::vfio::Sysfs::new(&sys), &dev),
+    );
+    let mut asked = Bed::pooled();
+    asked.strategy = Strategy::Hot;
+    asked.destination = Some(Endpoint::CloudHypervisor {
+        api_socket: "/d/api.sock".into(),
+        event_monitor: None,
+        vsock: Some("/d/vsock.sock".into()),
+        agent_port: 7077,
+        log_file: None,
+        tls_dir: None,
+    });
+    let report = bed.run(asked).await;
+    assert!(report.ok, "{report:#?}");
+    let details = |phase: Phase| {
+        report
+            .timeline
+            .phases
+            .iter()
+            .find(|p| p.phase == phase)
+            .map(|p| p.details.clone())
+            .unwrap()
+    };
+    assert_eq!(details(Phase::Prepare)["function"], "vf0");
+    assert_eq!(details(Phase::Prepare)["handed_over"], "vf0");
+    assert_eq!(details(Phase::Attach)["already_attached"], true);
+    assert_eq!(bed.host.state().handed, ["nic0"]);
+    assert!(
+        !bed.calls().iter().any(|c| c.contains("add_device")),
+        "{:?}",
+        bed.calls()
+    );
+    assert!(matches!(
+        bed.pool.state("vf0"),
+        Some(FunctionState::Attached { vm }) if vm == "vm1"
+    ));
+}
+
+/// The same to a QEMU destination: nothing is reserved or handed over (its VF is on its
+/// command line).
+#[tokio::test]
+async fn a_hot_move_to_qemu_hands_nothing_over() {
+    let bed = Bed::with_pool(1);
+    let mut asked = Bed::pooled();
+    asked.strategy = Strategy::Hot;
+    let report = bed.run(asked).await;
+    assert!(report.ok, "{report:#?}");
+    assert!(bed.host.state().handed.is_empty());
+    assert!(matches!(bed.pool.state("tap0"), Some(FunctionState::Free)));
+}

@@ -35,7 +35,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::agent::Outcomes;
 use crate::backends::Backends;
 use crate::channel::Channel;
-use crate::destination::{DestinationHost, LocalDestination, MoveRef, Plugged};
+use crate::destination::{DestinationHost, HandOver, LocalDestination, MoveRef, Plugged};
 use crate::listen::{Admission, PEER_CONNECTIONS};
 use crate::plan::Endpoint;
 use crate::pool::{Attachment, Pool};
@@ -92,6 +92,9 @@ pub enum PeerCall {
         of: MoveRef,
         /// Where the migration stream arrives.
         via: String,
+        /// The reserved function handed to the receiving VMM (`hot` on Cloud Hypervisor).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hand_over: Option<HandOver>,
     },
     /// Plug the device (or the reserved function) into the arrived VM.
     Attach {
@@ -362,8 +365,13 @@ async fn handle(
                     attachment,
                 })
         }
-        PeerCall::PrepareReceive { endpoint, of, via } => local
-            .prepare_receive(&endpoint, &of, &via, deadline)
+        PeerCall::PrepareReceive {
+            endpoint,
+            of,
+            via,
+            hand_over,
+        } => local
+            .prepare_receive(&endpoint, &of, &via, hand_over.as_ref(), deadline)
             .await
             .map(|()| PeerAnswer::Done),
         PeerCall::Attach {
@@ -564,12 +572,14 @@ impl DestinationHost for RemoteDestination {
         endpoint: &Endpoint,
         of: &MoveRef,
         via: &str,
+        hand_over: Option<&HandOver>,
         deadline: Duration,
     ) -> Result<(), StepError> {
         let call = PeerCall::PrepareReceive {
             endpoint: endpoint.clone(),
             of: of.clone(),
             via: via.into(),
+            hand_over: hand_over.cloned(),
         };
         self.ask_done(call, deadline, "prepare_receive").await
     }
@@ -1112,6 +1122,7 @@ mod tests {
             endpoint: dst_endpoint(),
             of: of(),
             via: "unix:/d/mig.sock".into(),
+            hand_over: None,
         };
         let answer = call(&client, &target(&address), &request(prepare.clone()))
             .await
@@ -1137,6 +1148,7 @@ mod tests {
                     vm: "vm2".into(),
                 },
                 via: "unix:/d/mig.sock".into(),
+                hand_over: None,
             },
         )
         .await;

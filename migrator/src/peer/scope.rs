@@ -327,6 +327,7 @@ mod tests {
             endpoint: qemu(qmp),
             of: of(id),
             via: "tcp:0:4444".into(),
+            hand_over: None,
         }
     }
 
@@ -370,6 +371,7 @@ mod tests {
             },
             of: of("m"),
             via: String::new(),
+            hand_over: None,
         };
         assert!(scope.admit("src", &agent_outside).is_err());
         // So does a Cloud Hypervisor endpoint's TLS folder, which its VMM would read.
@@ -384,6 +386,7 @@ mod tests {
             },
             of: of("m"),
             via: String::new(),
+            hand_over: None,
         };
         assert_eq!(scope.admit("src", &tls("/run/vmms/tls")), Ok(()));
         assert!(matches!(
