@@ -606,8 +606,10 @@ fn summary(report: &MoveReport) -> Value {
     for record in &report.timeline.phases {
         line[format!("{}_ms", record.phase.name())] = record.duration_ms.into();
         if record.phase == Phase::Attach {
-            for key in ["device", "bdf"] {
-                if let Some(value) = record.details.get(key) {
+            // The device's id and its PCI address in the guest, as the hook's caller knows
+            // them.
+            for (detail, key) in [("device", "device"), ("guest_bdf", "bdf")] {
+                if let Some(value) = record.details.get(detail) {
                     line[key] = value.clone();
                 }
             }

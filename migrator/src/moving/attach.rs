@@ -24,6 +24,10 @@ impl Mover {
         let device_moved = self.strategy.steps().device_moves.is_some();
         let check_first = self.recovered_from.is_some() || device_moved;
         let function = self.function.as_ref().map(|(name, _)| name.as_str());
+        let host_pci = match &self.function {
+            Some((_, Attachment::Vfio { pci })) => Some(pci.clone()),
+            _ => None,
+        };
         let plugged = destination
             .attach(
                 &endpoint,
@@ -41,9 +45,12 @@ impl Mover {
         if let Some(function) = function {
             details.insert("function".into(), function.into());
         }
+        if let Some(pci) = host_pci {
+            details.insert("pci".into(), pci.into());
+        }
         details.insert("device".into(), plugged.id.into());
         if let Some(bdf) = plugged.bdf {
-            details.insert("bdf".into(), bdf.into());
+            details.insert("guest_bdf".into(), bdf.into());
         }
         details.insert("driver".into(), plugged.driver.into());
         Ok(Finished::ok(details))

@@ -1083,6 +1083,7 @@ async fn a_hot_move_to_cloud_hypervisor_hands_a_reserved_vf_to_the_receiving_vmm
     assert_eq!(details(Phase::Prepare)["function"], "vf0");
     assert_eq!(details(Phase::Prepare)["handed_over"], "vf0");
     assert_eq!(details(Phase::Attach)["already_attached"], true);
+    assert_eq!(details(Phase::Attach)["pci"], "0000:3b:02.1");
     assert_eq!(bed.host.state().handed, ["nic0"]);
     assert!(
         !bed.calls().iter().any(|c| c.contains("add_device")),
