@@ -60,6 +60,9 @@ const VM_BOOT: Duration = Duration::from_secs(900);
 /// both hosts running (2026-12-02): 342 s and 362 s from igbvf's probe, most of it
 /// waiting for the link.
 const VF_ACTIVE: Duration = Duration::from_secs(900);
+/// How long a VM's console may take to accept the harness (30 s once was not enough at a
+/// scenario's start, with both hosts just restored).
+const CONSOLE_ATTACH: Duration = Duration::from_secs(120);
 /// Host memory: two VMs of [`VM_MEMORY_MIB`] and the images in its tmpfs.
 const HOST_MEMORY_MIB: u32 = 1536;
 /// VM memory.
@@ -482,7 +485,7 @@ impl Host {
 }
 
 /// Waits until `vm`'s VF has an ACTIVE Soft-RoCE device (see [`VF_ACTIVE`]).
-fn wait_vf_active(vm: &Vm) -> StepResult<()> {
+pub fn wait_vf_active(vm: &Vm) -> StepResult<()> {
     let wait = format!("rdmamig-netplug wait-active {}", VF_ACTIVE.as_secs());
     vm.run_ok(&wait, VF_ACTIVE + COMMAND)?;
     Ok(())
@@ -647,11 +650,13 @@ impl Vm {
     pub fn attach_console(&self) -> Result<(), GuestError> {
         let mut slot = self.console.lock().unwrap_or_else(|p| p.into_inner());
         slot.take();
-        let console = Console::connect_tcp(&self.netns, self.console_at, Duration::from_secs(30))
-            .map_err(|source| GuestError::Attach {
-            guest: self.spec.name.clone(),
-            source,
-        })?;
+        // A host just restored, or busy with both its VMs, may take a while to accept.
+        let console = Console::connect_tcp(&self.netns, self.console_at, CONSOLE_ATTACH).map_err(
+            |source| GuestError::Attach {
+                guest: self.spec.name.clone(),
+                source,
+            },
+        )?;
         *slot = Some(console);
         Ok(())
     }
