@@ -295,6 +295,16 @@ impl VmProcess {
         }
     }
 
+    /// The assertion QEMU itself died of, if its log has one: the emulator crashed, not
+    /// the guest. QEMU 10.0's TCG with an emulated IOMMU does, now and then, while a nested
+    /// VM's VFIO device goes (`iotlb_to_section: Assertion ... failed`).
+    pub(crate) fn emulator_assertion(&self) -> Option<String> {
+        let log = fs::read_to_string(self.dir.join("qemu.log")).ok()?;
+        log.lines()
+            .find(|line| line.contains("Assertion") && line.contains("failed"))
+            .map(str::to_owned)
+    }
+
     /// The VM's run state and the last lines of the console log and QEMU's own log, for
     /// failure reports.
     pub(crate) fn dump(&self) -> String {
@@ -449,6 +459,12 @@ impl Guest {
     /// The guest's directory: sockets and logs.
     pub fn dir(&self) -> &Path {
         &self.process.dir
+    }
+
+    /// The assertion this guest's QEMU died of, if it did (see
+    /// [`VmProcess::emulator_assertion`]).
+    pub fn emulator_assertion(&self) -> Option<String> {
+        self.process.emulator_assertion()
     }
 
     /// QEMU's QMP socket. It serves one client at a time; do not hold it longer than needed.

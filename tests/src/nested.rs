@@ -251,6 +251,12 @@ impl Host {
         })
     }
 
+    /// The assertion this host's QEMU (the test bed's, running the L1 guest) died of, if it
+    /// did.
+    pub fn emulator_assertion(&self) -> Option<String> {
+        self.guest.emulator_assertion()
+    }
+
     /// A handle on VM `spec`, already running in this host (a restored host's).
     pub fn vm(&self, spec: VmSpec) -> StepResult<Vm> {
         Ok(Vm {
@@ -349,6 +355,20 @@ impl Host {
         Ok(self
             .guest
             .run(&format!("rdmamig {args} --socket {DAEMON_SOCKET}"), timeout)?)
+    }
+
+    /// Starts `rdmamig <args> --socket <the daemon's>` in the host without waiting: its
+    /// output goes to `<output>`, and its exit status, once it ends, to `<output>.status`.
+    pub fn spawn_rdmamig(&self, args: &str, output: &str) -> StepResult<()> {
+        self.guest.run_ok(
+            &format!(
+                "rm -f {output}.status; \
+                 (rdmamig {args} --socket {DAEMON_SOCKET} >{output} 2>&1; echo $? >{output}.status) \
+                 </dev/null >/dev/null 2>&1 &"
+            ),
+            COMMAND,
+        )?;
+        Ok(())
     }
 
     /// The daemon's pool (`rdmamig pool --json`): every function with its state.

@@ -16,7 +16,10 @@
 //! - `bridge`: the same, carried over TCP on the VMs' permanent NICs meanwhile;
 //! - `naive`: plain rdma_cm traffic across the same move, for the comparison (it loses);
 //! - `held_device`: a raw verbs program holds the VF; `--unmanaged release` ends it and the
-//!   move goes on, and the report names it.
+//!   move goes on, and the report names it;
+//! - `held_rollback`: the same program left alone (`--unmanaged ignore`): the VF's unplug
+//!   does not complete, the detach misses its deadline, the move rolls back once the
+//!   program lets go, and the VM keeps A's VF.
 //!
 //! Every move asks B's daemon, as the destination migrator, to reserve a VF from its pool,
 //! ready the destination QEMU, give the VF the VM's MAC and plug it after the migration,
@@ -184,6 +187,15 @@ impl Running {
         };
         let result = run.plug_vfs().and_then(|()| body(&run));
         if let Err(e) = &result {
+            for host in [&run.a, &run.b] {
+                if let Some(assertion) = host.emulator_assertion() {
+                    return Err(Box::new(EmulatorCrash {
+                        host: host.name().to_owned(),
+                        assertion,
+                        failure: error_chain(e.as_ref()),
+                    }));
+                }
+            }
             eprintln!("gold: failed: {}", error_chain(e.as_ref()));
             let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
             eprintln!("{}\n{}", run.a.dump(), run.b.dump());
@@ -228,6 +240,29 @@ impl Running {
         Ok(())
     }
 }
+
+/// A scenario that failed because the test bed's QEMU running a host died of an assertion:
+/// the emulator's fault, not rdmamig's. QEMU 10.0's TCG with an emulated IOMMU hits
+/// `iotlb_to_section: Assertion ... failed` now and then while a nested VM's VFIO device
+/// goes (docs/testbed.md). `main` runs such a scenario once more, from the snapshots.
+#[derive(Debug)]
+struct EmulatorCrash {
+    host: String,
+    assertion: String,
+    failure: String,
+}
+
+impl std::fmt::Display for EmulatorCrash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "host {}'s QEMU died ({}), which failed the scenario: {}",
+            self.host, self.assertion, self.failure
+        )
+    }
+}
+
+impl std::error::Error for EmulatorCrash {}
 
 /// With `RDMAMIG_GOLD_PROBE=<dir>` set, a failed scenario keeps its hosts and VMs running
 /// and runs each command written to `<dir>/<shell>.cmd` (shells: a, b, mv, peer, dst),
@@ -294,38 +329,46 @@ fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
     Ok(())
 }
 
-/// Moves the VM from A to B with `strategy` and `extra` arguments, B's daemon doing the
-/// destination's duties; returns the report.
-fn migrate(run: &Running, base: &Base, strategy: &str, extra: &str) -> StepResult<Value> {
+/// The `rdmamig migrate` arguments that move the VM from A to B with `strategy` and
+/// `extra` arguments, B's daemon doing the destination's duties; starts the destination QEMU.
+fn move_args(run: &Running, base: &Base, strategy: &str, extra: &str) -> StepResult<String> {
     let destination = base.mover.destination(DESTINATION_NAME);
     drop(run.b.start_vm(destination.clone())?);
     let deadlines: String = DEADLINES
         .iter()
         .map(|d| format!(" --deadline {d}"))
         .collect();
+    Ok(format!(
+        "migrate --vm {MOVER_NAME} --qmp {qmp} --agent {agent} --detach nic0 \
+         --source-function vf0 --destination-migrator b --from-pool \
+         --to-qmp {to_qmp} --to-agent {to_agent} --attach driver=vfio-pci,id=nic0,bus=rp1,mac={mac} \
+         --via tcp:{b}:{MIGRATION_PORT} --strategy {strategy}{deadlines} {extra} \
+         --report /run/move.json",
+        qmp = base.mover.qmp(),
+        agent = base.mover.agent(),
+        to_qmp = destination.qmp(),
+        to_agent = destination.agent(),
+        mac = base.mover.mac(),
+        b = run.b.address(),
+    ))
+}
+
+/// Moves the VM from A to B (see [`move_args`]); returns the report.
+fn migrate(run: &Running, base: &Base, strategy: &str, extra: &str) -> StepResult<Value> {
+    let args = move_args(run, base, strategy, extra)?;
     let started = Instant::now();
-    let out = run.a.rdmamig(
-        &format!(
-            "migrate --vm {MOVER_NAME} --qmp {qmp} --agent {agent} --detach nic0 \
-             --source-function vf0 --destination-migrator b --from-pool \
-             --to-qmp {to_qmp} --to-agent {to_agent} --attach driver=vfio-pci,id=nic0,bus=rp1,mac={mac} \
-             --via tcp:{b}:{MIGRATION_PORT} --strategy {strategy}{deadlines} {extra} \
-             --report /run/move.json",
-            qmp = base.mover.qmp(),
-            agent = base.mover.agent(),
-            to_qmp = destination.qmp(),
-            to_agent = destination.agent(),
-            mac = base.mover.mac(),
-            b = run.b.address(),
-        ),
-        MOVE_TIMEOUT,
-    )?;
+    let out = run.a.rdmamig(&args, MOVE_TIMEOUT)?;
     eprintln!(
         "gold: rdmamig migrate ({strategy}) exited {} after {:?}:\n{}",
         out.status,
         started.elapsed(),
         out.output
     );
+    move_report(run)
+}
+
+/// The report of the last move, from host A.
+fn move_report(run: &Running) -> StepResult<Value> {
     let report = run.a.shell().run_ok("cat /run/move.json", SLOW)?;
     let start = report.find('{').ok_or("no report")?;
     Ok(serde_json::from_str(&report[start..])?)
@@ -363,14 +406,6 @@ fn check_move(run: &Running, report: &Value) -> StepResult<()> {
     if attached["pci"] != b_vf.as_str() {
         return Err(format!("the attach does not name B's VF {b_vf}: {attached}").into());
     }
-    let state = |host: &Host, name: &str| -> StepResult<Value> {
-        Ok(host
-            .pool()?
-            .into_iter()
-            .find(|f| f["name"] == name)
-            .map(|f| f["state"].clone())
-            .unwrap_or(Value::Null))
-    };
     let expected = [
         (&run.a, "vf0", serde_json::json!({"state": "free"})),
         (
@@ -384,9 +419,19 @@ fn check_move(run: &Running, report: &Value) -> StepResult<()> {
             serde_json::json!({"state": "attached", "vm": "peer"}),
         ),
     ];
+    check_pools(&expected)
+}
+
+/// Checks that each (host, function, state) holds in that host's pool.
+fn check_pools(expected: &[(&Host, &str, Value)]) -> StepResult<()> {
     for (host, name, want) in expected {
-        let got = state(host, name)?;
-        if got != want {
+        let got = host
+            .pool()?
+            .into_iter()
+            .find(|f| f["name"] == *name)
+            .map(|f| f["state"].clone())
+            .unwrap_or(Value::Null);
+        if got != *want {
             return Err(format!("{}'s {name} is {got}, not {want}", host.name()).into());
         }
     }
@@ -419,6 +464,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("bridge", bridge),
     ("naive", naive),
     ("held_device", held_device),
+    ("held_rollback", held_rollback),
 ];
 
 /// Traffic through the move with `strategy`: nothing lost, duplicated or reordered.
@@ -503,6 +549,123 @@ fn held_device(base: &Base) -> StepResult<()> {
     })
 }
 
+/// The detach deadline of `held_rollback`: an unplug the holder does not block takes
+/// 10-20 s in a nested VM.
+const HELD_DETACH_MS: u64 = 60_000;
+
+/// The held device left alone (`--unmanaged ignore`): the vfio-pci unplug of the real VF does
+/// not complete while the raw verbs program holds it, the detach misses its deadline and the
+/// move rolls back, the report naming the holder. Once the rollback has started the program
+/// ends, the guest finishes the removal it was asked for, and the rollback plugs A's VF back:
+/// the VM keeps its VF, the connections resume on the source, nothing lost; B's reserved VF
+/// is free again.
+fn held_rollback(base: &Base) -> StepResult<()> {
+    Running::scenario(base, |run| {
+        start_flow(run, Traffic::Migratable)?;
+        let holder = start_holder(&run.mover)?;
+        let args = move_args(
+            run,
+            base,
+            "reconnect",
+            &format!("--unmanaged ignore --deadline detach={HELD_DETACH_MS}"),
+        )?;
+        let started = Instant::now();
+        run.a.spawn_rdmamig(&args, "/run/move.out")?;
+        let progress = run.a.shell().run_ok(
+            "timeout 1200 sh -c 'until grep -qE \"rollback.*started\" /run/move.out \
+               || [ -f /run/move.out.status ]; do sleep 1; done'; cat /run/move.out",
+            MOVE_TIMEOUT,
+        )?;
+        if !progress.contains("rollback") {
+            return Err(format!("the move did not roll back: {progress}").into());
+        }
+        eprintln!(
+            "gold held_rollback: rolling back after {:?}",
+            started.elapsed()
+        );
+        // Still holding it: the unplug is pending in the guest until the program ends.
+        run.mover
+            .run_ok(&format!("kill -0 {holder} && kill {holder}"), SLOW)?;
+        let out = run.a.shell().run_ok(
+            "timeout 1800 sh -c 'until [ -f /run/move.out.status ]; do sleep 2; done'; \
+             cat /run/move.out; echo status $(cat /run/move.out.status)",
+            MOVE_TIMEOUT,
+        )?;
+        eprintln!("gold held_rollback: after {:?}:\n{out}", started.elapsed());
+        let report = move_report(run)?;
+        print_timeline("held_rollback", &report);
+        if !out.trim_end().ends_with("status 4") {
+            return Err(format!("rdmamig migrate did not exit 4 (rolled back): {out}").into());
+        }
+        check_held_rollback(run, &report, holder)?;
+        wait_vf_active(&run.mover)?;
+        finish_clean_flow(&run.mover, MOVER_NAME, &run.peer, TAG);
+        Ok(())
+    })
+}
+
+/// What `held_rollback`'s report and the pools must show.
+fn check_held_rollback(run: &Running, report: &Value, holder: u32) -> StepResult<()> {
+    let expect = |what: &str, got: &Value, want: &str| -> StepResult<()> {
+        if got != want {
+            return Err(format!("{what} is {got}, not {want:?}: {report:#}").into());
+        }
+        Ok(())
+    };
+    expect("final_phase", &report["final_phase"], "rolled_back")?;
+    expect("failed_phase", &report["failed_phase"], "detach")?;
+    expect("vm_location", &report["vm_location"], "source")?;
+    let named = report["unmanaged"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|p| {
+            p["pid"] == holder
+                && p["open_context"] == true
+                && p["command"]
+                    .as_str()
+                    .is_some_and(|c| c.contains("ibv_rc_pingpong"))
+        });
+    if !named {
+        return Err(format!("the report does not name holder {holder}: {report:#}").into());
+    }
+    let forced = report["forced"].as_array().into_iter().flatten().any(|f| {
+        f["phase"] == "detach"
+            && f["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("did not release nic0"))
+    });
+    if !forced {
+        return Err(format!("no forced path at the detach deadline: {report:#}").into());
+    }
+    let rollback = report["timeline"]["phases"]
+        .as_array()
+        .and_then(|p| p.last())
+        .cloned()
+        .unwrap_or(Value::Null);
+    expect("the last phase", &rollback["phase"], "rollback")?;
+    expect("the rollback", &rollback["outcome"]["result"], "ok")?;
+    let steps = rollback["details"]["steps"].to_string();
+    for step in [
+        "removing device nic0",
+        "re-attached on the source",
+        "resumed on the source",
+    ] {
+        if !steps.contains(step) {
+            return Err(format!("the rollback's steps miss {step:?}: {steps}").into());
+        }
+    }
+    let expected = [
+        (
+            &run.a,
+            "vf0",
+            serde_json::json!({"state": "attached", "vm": MOVER_NAME}),
+        ),
+        (&run.b, "vf1", serde_json::json!({"state": "free"})),
+    ];
+    check_pools(&expected)
+}
+
 fn main() {
     let wanted: Vec<String> = std::env::args()
         .skip(1)
@@ -520,22 +683,30 @@ fn main() {
     let base = Base::build().unwrap_or_else(|e| panic!("gold: the base: {e}"));
     let mut failed = Vec::new();
     for (name, scenario) in scenarios {
-        let at = Instant::now();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario(&base)));
-        match result {
-            Ok(Ok(())) => eprintln!("gold: {name} ... ok ({:?})", at.elapsed()),
-            Ok(Err(e)) => {
-                eprintln!(
-                    "gold: {name} ... FAILED ({:?}): {}",
-                    at.elapsed(),
-                    error_chain(e.as_ref())
-                );
-                failed.push(*name);
+        // A scenario the emulator crashed under runs once more; any other failure stands.
+        for attempt in 1..=2 {
+            let at = Instant::now();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario(&base)));
+            match result {
+                Ok(Ok(())) => eprintln!("gold: {name} ... ok ({:?})", at.elapsed()),
+                Ok(Err(e)) if attempt == 1 && e.downcast_ref::<EmulatorCrash>().is_some() => {
+                    eprintln!("gold: {name} ... RUNNING AGAIN ({:?}): {e}", at.elapsed());
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    eprintln!(
+                        "gold: {name} ... FAILED ({:?}): {}",
+                        at.elapsed(),
+                        error_chain(e.as_ref())
+                    );
+                    failed.push(*name);
+                }
+                Err(_) => {
+                    eprintln!("gold: {name} ... FAILED ({:?}): panicked", at.elapsed());
+                    failed.push(*name);
+                }
             }
-            Err(_) => {
-                eprintln!("gold: {name} ... FAILED ({:?}): panicked", at.elapsed());
-                failed.push(*name);
-            }
+            break;
         }
     }
     eprintln!("gold: done in {:?}", started.elapsed());
