@@ -94,4 +94,5 @@ if ! command -v vhost-device-vsock >/dev/null; then
 fi
 
 echo "==> building (release)"
-cargo build --release --workspace --bins
+# --lib builds librdmamig_preload.so too (a cdylib, which --bins alone leaves out).
+cargo build --release --workspace --bins --lib

@@ -29,7 +29,8 @@ cargo test --release --workspace --exclude rdmamig-testbed
 echo "==> the test bed's daemons: the release build, and one with fault injection"
 cargo build --release -p rdmamig-migrator --bin rdmamig --features fault-injection
 cp target/release/rdmamig target/release/rdmamig-fault-injection
-cargo build --release --workspace --bins
+# --lib builds librdmamig_preload.so too (a cdylib, which --bins alone leaves out).
+cargo build --release --workspace --bins --lib
 
 # Every decoder of untrusted bytes, fuzzed for a bounded time; a crash fails the run.
 echo "==> fuzzing (30 s per target)"

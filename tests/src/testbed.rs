@@ -26,7 +26,18 @@ use crate::guest::{Guest, GuestError, GuestSpec, Launch, NicModel, VmProcess};
 use crate::netns::{self, NetNs, NetnsError};
 
 /// The guest programs the project builds, installed into the image.
-pub const GUEST_BINARIES: &[&str] = &["rdmamig-agent", "rdmamig-traffic", "rdmamig-perf"];
+pub const GUEST_BINARIES: &[&str] = &[
+    "rdmamig-agent",
+    "rdmamig-traffic",
+    "rdmamig-perf",
+    "rdmamig-run",
+];
+/// The preload library `rdmamig-run` loads, and where the images install it (rdmamig-run
+/// finds it in `../lib/rdmamig/` from itself).
+pub const PRELOAD_LIBRARY: (&str, &str) = (
+    "librdmamig_preload.so",
+    "/usr/lib/rdmamig/librdmamig_preload.so",
+);
 /// The subnet guests live in (inside the test bed's namespace only).
 pub const SUBNET_PREFIX: &str = "10.77.0";
 /// The subnet of the guests' permanent NICs (same bridge and namespace, separate subnet).
@@ -524,10 +535,19 @@ fn build_image(guest_binaries: GuestBinaries) -> Result<Image, TestbedError> {
             return Err(TestbedError::GuestBinaryMissing { path });
         }
     }
+    let mut files = Vec::new();
+    let (library, installed) = PRELOAD_LIBRARY;
+    let library = bin_dir.join(library);
+    if library.is_file() {
+        files.push((library, PathBuf::from(installed)));
+    } else if guest_binaries == GuestBinaries::Required {
+        return Err(TestbedError::GuestBinaryMissing { path: library });
+    }
     let out_dir = root.join("target/testbed");
     rdmamig_images::build(&ImageSpec {
         out_dir: out_dir.clone(),
         guest_binaries: binaries,
+        files,
         ..ImageSpec::default()
     })
     .map_err(|source| TestbedError::BuildImage {

@@ -1,0 +1,239 @@
+//! The virtual verbs objects the program holds, and the registry that tells them from real
+//! ones.
+//!
+//! Each virtual object is `#[repr(C)]` with the public struct verbs.h defines as its first
+//! field, so the pointer the program holds is the object's own: the data path gets from one
+//! to the other with a cast, no lookup. The public fields are the program's view (virtual
+//! context, PD and CQs; the numbers and keys it was given); `real` is the provider's object
+//! behind it, which a move replaces.
+//!
+//! The registry records every virtual object by address and kind. An exported verb asks it
+//! before it takes a pointer for one of its own: an object this library did not make (a
+//! real one, or a virtual one of another kind) is never cast.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use rdma_sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
+
+/// What a registered address is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A [`Context`].
+    Context,
+    /// A [`Channel`].
+    Channel,
+    /// A [`Pd`].
+    Pd,
+    /// An [`Mr`].
+    Mr,
+    /// A [`Cq`].
+    Cq,
+    /// A [`Qp`].
+    Qp,
+}
+
+/// A virtual object: its public struct and its kind.
+pub trait Virtual: Sized {
+    /// The struct verbs.h defines, which the program sees.
+    type Public;
+    /// Its kind in the registry.
+    const KIND: Kind;
+    /// The provider's object behind it.
+    fn real(&self) -> *mut Self::Public;
+}
+
+/// A device context.
+#[repr(C)]
+pub struct Context {
+    /// The program's context: the real one's device and descriptors, this library's ops.
+    pub public: ibv_context,
+    /// The provider's context.
+    pub real: *mut ibv_context,
+}
+
+/// A completion channel. Its descriptor is the real channel's, so that the number the
+/// program waits on is the kernel's.
+#[repr(C)]
+pub struct Channel {
+    /// The program's channel.
+    pub public: ibv_comp_channel,
+    /// The provider's channel.
+    pub real: *mut ibv_comp_channel,
+}
+
+/// A protection domain.
+#[repr(C)]
+pub struct Pd {
+    /// The program's PD.
+    pub public: ibv_pd,
+    /// The provider's PD.
+    pub real: *mut ibv_pd,
+}
+
+/// A memory region. Its keys are the ones the program was given.
+#[repr(C)]
+pub struct Mr {
+    /// The program's MR.
+    pub public: ibv_mr,
+    /// The provider's MR.
+    pub real: *mut ibv_mr,
+}
+
+/// A completion queue. The real CQ's `cq_context` points back here, so that a completion
+/// event names the virtual CQ.
+#[repr(C)]
+pub struct Cq {
+    /// The program's CQ.
+    pub public: ibv_cq,
+    /// The provider's CQ.
+    pub real: *mut ibv_cq,
+}
+
+/// A queue pair. The real QP's `qp_context` points back here, so that an async event names
+/// the virtual QP.
+#[repr(C)]
+pub struct Qp {
+    /// The program's QP: its number is the one the program was given.
+    pub public: ibv_qp,
+    /// The provider's QP.
+    pub real: *mut ibv_qp,
+}
+
+macro_rules! virtual_kind {
+    ($($object:ident: $public:ty;)*) => {$(
+        impl Virtual for $object {
+            type Public = $public;
+            const KIND: Kind = Kind::$object;
+            fn real(&self) -> *mut $public {
+                self.real
+            }
+        }
+    )*};
+}
+
+virtual_kind! {
+    Context: ibv_context;
+    Channel: ibv_comp_channel;
+    Pd: ibv_pd;
+    Mr: ibv_mr;
+    Cq: ibv_cq;
+    Qp: ibv_qp;
+}
+
+/// Every live virtual object, by address.
+#[derive(Default)]
+pub struct Registry {
+    objects: HashMap<usize, Kind>,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn registry() -> MutexGuard<'static, Option<Registry>> {
+    // A panic while holding the lock cannot leave the map half-changed (one insert or
+    // remove): carry on with it.
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Registry {
+    /// Records `address` as a live object of `kind`.
+    pub fn insert(&mut self, address: usize, kind: Kind) {
+        self.objects.insert(address, kind);
+    }
+
+    /// Whether `address` is a live object of `kind`.
+    pub fn holds(&self, address: usize, kind: Kind) -> bool {
+        self.objects.get(&address) == Some(&kind)
+    }
+
+    /// Forgets `address` if it is a live object of `kind`; says whether it was.
+    pub fn remove(&mut self, address: usize, kind: Kind) -> bool {
+        if self.holds(address, kind) {
+            self.objects.remove(&address);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The environment variable that has each virtual object named on stderr as it is made.
+pub const TRACE_ENV: &str = "RDMAMIG_PRELOAD_TRACE";
+
+/// Whether [`TRACE_ENV`] is set (to anything but 0).
+fn tracing() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os(TRACE_ENV).is_some_and(|v| v != "0"))
+}
+
+/// Moves `object` to the heap, registers it and returns the pointer the program gets.
+pub fn publish<V: Virtual>(object: V) -> *mut V::Public {
+    let object = Box::into_raw(Box::new(object));
+    registry()
+        .get_or_insert_with(Registry::default)
+        .insert(object as usize, V::KIND);
+    if tracing() {
+        eprintln!(
+            "rdmamig-preload[{}]: virtual {:?} at {object:p}",
+            std::process::id(),
+            V::KIND
+        );
+    }
+    object.cast()
+}
+
+/// The virtual object behind `public`, if this library made it and it is still live.
+pub fn find<V: Virtual>(public: *mut V::Public) -> Option<*mut V> {
+    let known = registry()
+        .as_ref()
+        .is_some_and(|r| r.holds(public as usize, V::KIND));
+    known.then_some(public.cast())
+}
+
+/// The provider's object behind `public` if it is one of this library's objects of kind
+/// `V`; `public` itself otherwise (a real object, or null, passes through).
+pub fn real<V: Virtual>(public: *mut V::Public) -> *mut V::Public {
+    match find::<V>(public) {
+        // SAFETY: registered, hence live: made by `publish` and not yet retired.
+        Some(object) => unsafe { (*object).real() },
+        None => public,
+    }
+}
+
+/// Unregisters the virtual object behind `public` and gives it back, to be dropped once its
+/// real object is gone; `None` if it is not one of this library's.
+pub fn retire<V: Virtual>(public: *mut V::Public) -> Option<Box<V>> {
+    let known = registry()
+        .as_mut()
+        .is_some_and(|r| r.remove(public as usize, V::KIND));
+    // SAFETY: the registry held this address as a live `V`, made by `publish` from a Box,
+    // and no longer does: this is the only owner from here on.
+    known.then(|| unsafe { Box::from_raw(public.cast::<V>()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_object_is_found_only_as_its_own_kind_and_only_while_live() {
+        // SAFETY: all-zero is a valid ibv_pd (null context, handle 0).
+        let public: ibv_pd = unsafe { std::mem::zeroed() };
+        let pd = publish(Pd {
+            public,
+            real: std::ptr::null_mut(),
+        });
+        assert_eq!(find::<Pd>(pd), Some(pd.cast::<Pd>()));
+        assert_eq!(find::<Qp>(pd.cast()), None, "a PD is not a QP");
+        assert!(retire::<Qp>(pd.cast()).is_none());
+        assert!(retire::<Pd>(pd).is_some());
+        assert_eq!(find::<Pd>(pd), None, "retired");
+        assert!(retire::<Pd>(pd).is_none(), "retired once only");
+    }
+
+    #[test]
+    fn an_address_this_library_never_made_is_not_found() {
+        let mut outside = std::mem::MaybeUninit::<ibv_cq>::zeroed();
+        assert_eq!(find::<Cq>(outside.as_mut_ptr()), None);
+    }
+}
