@@ -10,9 +10,11 @@
 //!    with `bridge` and with the naive unplug-migrate-plug, and with `hot` beside the same
 //!    migration with the NIC attached and nothing paused (plain rdma_cm traffic), each
 //!    beside the VMM's reported downtime and the VM's pause.
+//! 3. Preload cost: the same unmodified programs (`ib_send_bw`, `ibv_rc_pingpong`) with and
+//!    without `rdmamig-run`, interleaved, medians compared (docs/preload.md).
 //!
 //! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
-//! builds the guest binaries); `-- overhead` or `-- switching` runs only that part.
+//! builds the guest binaries); `-- overhead`, `-- switching` or `-- preload` runs only that part.
 //! docs/benchmarks.md records the results.
 
 use std::time::Duration;
@@ -42,7 +44,7 @@ fn main() {
 }
 
 /// The parts of the benchmark.
-const PARTS: [&str; 2] = ["overhead", "switching"];
+const PARTS: [&str; 3] = ["overhead", "switching", "preload"];
 
 /// The parts named on the command line (cargo passes its own `--bench` too), all by default.
 fn parts() -> Result<Vec<String>, String> {
@@ -71,6 +73,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             measure_overhead(&server, &client)?
         };
         println!("\n{}", overhead.render());
+    }
+    if parts.iter().any(|p| p == "preload") {
+        println!("\n== preload cost: {SIZE}-byte messages, {ROUNDS} interleaved rounds");
+        let server = bed.start_guest(bed.guest_spec("psrv")?)?;
+        let client = bed.start_guest(bed.guest_spec("pcli")?)?;
+        println!("\n{}", measure_preload(&server, &client)?);
     }
     if !parts.iter().any(|p| p == "switching") {
         return Ok(());
@@ -232,6 +240,113 @@ fn measure_overhead(
     Ok(o)
 }
 
+/// Without and with the preload library, every round's value.
+#[derive(Default)]
+struct Pair {
+    plain: Vec<f64>,
+    preloaded: Vec<f64>,
+}
+
+impl Pair {
+    fn row(&self, what: &str) -> String {
+        format!(
+            "| {what:<27} | {:>20} | {:>20} | {:>8.3} |\n",
+            spread(&self.plain),
+            spread(&self.preloaded),
+            median(&self.preloaded) / median(&self.plain),
+        )
+    }
+}
+
+/// The preload library's cost on the data path: ib_send_bw's message rate and
+/// ibv_rc_pingpong's latency, each without and with `rdmamig-run`, interleaved. A program
+/// the library cannot run is reported as such, not measured.
+fn measure_preload(server: &Guest, client: &Guest) -> Result<String, Box<dyn std::error::Error>> {
+    let at = server.spec().address().to_owned();
+    let mut rate = Pair::default();
+    let mut latency = Pair::default();
+    let mut refused = Vec::new();
+    for round in 1..=ROUNDS {
+        for (tool, preloaded) in [(&SEND_BW, false), (&SEND_BW, true)] {
+            if preloaded && refused.iter().any(|(p, _)| *p == tool.program) {
+                continue;
+            }
+            match raw_verbs_as(server, client, &at, tool, &format!("-n {COUNT}"), preloaded) {
+                Ok(out) => {
+                    let value = column(&out, "MsgRate[Mpps]")? * 1e6;
+                    if preloaded {
+                        &mut rate.preloaded
+                    } else {
+                        &mut rate.plain
+                    }
+                    .push(value);
+                }
+                Err(e) if preloaded => {
+                    // Its server may still wait for a client that gave up.
+                    let _ = server.run("kill $(cat /tmp/server.pid) 2>/dev/null", RUN_TIMEOUT);
+                    refused.push((tool.program, error_chain(&*e)));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for preloaded in [false, true] {
+            let out = raw_verbs_as(
+                server,
+                client,
+                &at,
+                &RC_PINGPONG,
+                &format!("-n {ITERS}"),
+                preloaded,
+            )?;
+            let value = usec_per_iter(&out)? / 2.0;
+            if preloaded {
+                &mut latency.preloaded
+            } else {
+                &mut latency.plain
+            }
+            .push(value);
+        }
+        println!(
+            "round {round}: rate {:?} / {:?} msg/s; latency {:?} / {:?} us (without / with)",
+            rate.plain.last(),
+            rate.preloaded.last(),
+            latency.plain.last(),
+            latency.preloaded.last()
+        );
+    }
+    let mut table = format!(
+        "| {SIZE} B, median (range)      | without              | with rdmamig-run     | with/without |\n\
+         |-----------------------------|---------------------:|---------------------:|---------:|\n"
+    );
+    if rate.preloaded.is_empty() {
+        table.push_str(&format!(
+            "| message rate (msg/s)        | {:>20} | {:>20} | {:>8} |\n",
+            spread(&rate.plain),
+            "not run",
+            "-"
+        ));
+    } else {
+        table.push_str(&rate.row("message rate (msg/s)"));
+    }
+    table.push_str(&latency.row("latency (us, one way, mean)"));
+    for (program, why) in &refused {
+        table.push_str(&format!("{program} under rdmamig-run failed: {why}\n"));
+    }
+    if !rate.preloaded.is_empty() {
+        let ratio = median(&rate.preloaded) / median(&rate.plain);
+        table.push_str(&format!(
+            "target: message rate within 3% (with/without >= 0.970): {}\n",
+            verdict(ratio >= 0.97)
+        ));
+    }
+    let ratio = median(&latency.preloaded) / median(&latency.plain);
+    table.push_str(&format!(
+        "target: latency within 5% (with/without <= 1.050): {}\n",
+        verdict(ratio <= 1.05)
+    ));
+    Ok(table)
+}
+
 /// Runs `run` and returns its result with the host CPU time (seconds, user + system) the
 /// QEMU processes of `guests` took meanwhile.
 fn host_cpu<T>(
@@ -298,7 +413,23 @@ fn raw_verbs(
     tool: &RawTool,
     args: &str,
 ) -> Result<String, Box<dyn std::error::Error>> {
-    let command = format!("{} {} -s {SIZE} {args}", tool.program, tool.options);
+    raw_verbs_as(server, client, at, tool, args, false)
+}
+
+/// [`raw_verbs`], both sides under `rdmamig-run` when `preloaded`.
+fn raw_verbs_as(
+    server: &Guest,
+    client: &Guest,
+    at: &str,
+    tool: &RawTool,
+    args: &str,
+    preloaded: bool,
+) -> Result<String, Box<dyn std::error::Error>> {
+    let wrapper = if preloaded { "rdmamig-run -- " } else { "" };
+    let command = format!(
+        "{wrapper}{} {} -s {SIZE} {args}",
+        tool.program, tool.options
+    );
     start_server(server, &command)?;
     // Both tools' clients give up at once when the server is not listening yet (TCP 18515).
     wait_listening(server, 18515)?;
