@@ -14,11 +14,14 @@ use std::ptr::null_mut;
 
 use rdma_sys::{
     _compat_ibv_port_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_device, ibv_device_attr,
-    ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_init_attr, ibv_qp_type,
+    ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr, ibv_qp_state,
+    ibv_qp_type,
 };
 
 use crate::next;
-use crate::objects::{self, find, publish, real, retire, Channel, Context, Cq, Mr, Pd, Qp};
+use crate::objects::{
+    self, find, locked, publish, real, retire, trace, Channel, Context, Cq, Mr, Pd, Qp,
+};
 use crate::ops;
 use crate::unsupported::refuse;
 
@@ -242,12 +245,12 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     result
 }
 
-/// The virtual MR over `real`, just registered on virtual PD `pd`; `real` as it is when `pd`
-/// is not one of ours or the registration failed.
+/// The virtual MR over `real`, just registered on virtual PD `pd` with `access` at `iova`;
+/// `real` as it is when `pd` is not one of ours or the registration failed.
 ///
 /// # Safety
 /// `real` is null or a live MR; `pd` is the caller's PD.
-unsafe fn publish_mr(pd: *mut ibv_pd, real: *mut ibv_mr) -> *mut ibv_mr {
+unsafe fn publish_mr(pd: *mut ibv_pd, real: *mut ibv_mr, access: c_uint, iova: u64) -> *mut ibv_mr {
     let Some(virtual_pd) = find::<Pd>(pd) else {
         return real;
     };
@@ -265,7 +268,12 @@ unsafe fn publish_mr(pd: *mut ibv_pd, real: *mut ibv_mr) -> *mut ibv_mr {
         public.lkey = (*real).lkey;
         public.rkey = (*real).rkey;
     }
-    publish(Mr { public, real })
+    publish(Mr {
+        public,
+        real,
+        access,
+        iova,
+    })
 }
 
 /// ibv_reg_mr.
@@ -280,7 +288,10 @@ pub unsafe extern "C" fn ibv_reg_mr(
     access: c_int,
 ) -> *mut ibv_mr {
     // SAFETY: the real PD behind the caller's, to libibverbs' own verb; then as publish_mr.
-    unsafe { publish_mr(pd, next::ibv_reg_mr()(real::<Pd>(pd), addr, length, access)) }
+    unsafe {
+        let real = next::ibv_reg_mr()(real::<Pd>(pd), addr, length, access);
+        publish_mr(pd, real, access as c_uint, addr as u64)
+    }
 }
 
 /// ibv_reg_mr_iova.
@@ -298,7 +309,7 @@ pub unsafe extern "C" fn ibv_reg_mr_iova(
     // SAFETY: as in ibv_reg_mr.
     unsafe {
         let real = next::ibv_reg_mr_iova()(real::<Pd>(pd), addr, length, iova, access);
-        publish_mr(pd, real)
+        publish_mr(pd, real, access as c_uint, iova)
     }
 }
 
@@ -317,7 +328,7 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
     // SAFETY: as in ibv_reg_mr.
     unsafe {
         let real = next::ibv_reg_mr_iova2()(real::<Pd>(pd), addr, length, iova, access);
-        publish_mr(pd, real)
+        publish_mr(pd, real, access, iova)
     }
 }
 
@@ -358,6 +369,7 @@ pub unsafe extern "C" fn ibv_create_cq(
     let virtual_cq = publish(Cq {
         public,
         real: null_mut(),
+        receivers: Default::default(),
     });
     // SAFETY: the real context and channel behind the caller's, to libibverbs' own verb.
     let real = unsafe {
@@ -432,6 +444,7 @@ pub unsafe extern "C" fn ibv_create_qp(
     let virtual_qp = publish(Qp {
         public,
         real: null_mut(),
+        record: Default::default(),
     });
     let mut given = asked;
     given.qp_context = virtual_qp.cast();
@@ -452,11 +465,15 @@ pub unsafe extern "C" fn ibv_create_qp(
         (*object).public.handle = (*real_qp).handle;
         (*object).public.qp_num = (*real_qp).qp_num;
         (*object).public.state = (*real_qp).state;
+        if let Some(cq) = find::<Cq>(asked.recv_cq) {
+            locked(&(*cq).receivers).push(((*real_qp).qp_num, virtual_qp as usize));
+        }
     }
     virtual_qp
 }
 
-/// ibv_modify_qp: the state the program sees follows the real QP's.
+/// ibv_modify_qp: the state the program sees follows the real QP's, and the QP's record
+/// takes what the program set.
 ///
 /// # Safety
 /// As libibverbs' ibv_modify_qp.
@@ -468,13 +485,52 @@ pub unsafe extern "C" fn ibv_modify_qp(
 ) -> c_int {
     // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_modify_qp()(real::<Qp>(qp), attr, mask) };
-    if result == 0 {
-        if let Some(object) = find::<Qp>(qp) {
-            // SAFETY: a live virtual QP and its live real QP, which libibverbs just updated.
-            unsafe { (*object).public.state = (*(*object).real).state };
+    if result != 0 {
+        return result;
+    }
+    let Some(object) = find::<Qp>(qp) else {
+        return result;
+    };
+    // SAFETY: a live virtual QP and its live real QP, which libibverbs just updated; the
+    // caller's attributes, which the verb just read.
+    unsafe {
+        (*object).public.state = (*(*object).real).state;
+        let mut record = locked(&(*object).record);
+        record.setup.apply(&*attr, mask);
+        match record.setup.state() {
+            // RESET empties the queues; the error state flushes them.
+            ibv_qp_state::IBV_QPS_RESET => record.receives = Default::default(),
+            ibv_qp_state::IBV_QPS_ERR => record.receives.lose_track(),
+            ibv_qp_state::IBV_QPS_RTS if mask & IBV_QP_STATE != 0 => {
+                let set = record.setup.attr();
+                trace(format_args!(
+                    "qp {:#x} recorded at RTS: dest_qp {:#x} rq_psn {:#x} sq_psn {:#x} \
+                     path_mtu {} dgid {} receives {}",
+                    (*qp).qp_num,
+                    set.dest_qp_num,
+                    set.rq_psn,
+                    set.sq_psn,
+                    set.path_mtu,
+                    Gid(set.ah_attr.grh.dgid.raw),
+                    record.receives.outstanding().len(),
+                ))
+            }
+            _ => {}
         }
     }
     result
+}
+
+/// The mask bit of ibv_modify_qp that moves a QP to another state.
+const IBV_QP_STATE: c_int = ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int;
+
+/// A GID as `ip` writes an IPv6 address, for the trace.
+struct Gid([u8; 16]);
+
+impl std::fmt::Display for Gid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::net::Ipv6Addr::from(self.0).fmt(f)
+    }
 }
 
 /// ibv_query_qp: the init attributes name the program's CQs and context.
@@ -514,8 +570,26 @@ pub unsafe extern "C" fn ibv_query_qp(
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_destroy_qp()(real::<Qp>(qp)) };
-    if result == 0 {
-        drop(retire::<Qp>(qp));
+    if result != 0 {
+        return result;
+    }
+    if let Some(object) = retire::<Qp>(qp) {
+        if let Some(cq) = find::<Cq>(object.public.recv_cq) {
+            // SAFETY: a live virtual CQ: libibverbs refuses to destroy a CQ a QP still uses.
+            let mut receivers = locked(unsafe { &(*cq).receivers });
+            receivers.retain(|&(_, address)| address != qp as usize);
+        }
+        let record = locked(&object.record);
+        trace(format_args!(
+            "qp {:#x} destroyed with {} receives outstanding{}",
+            object.public.qp_num,
+            record.receives.outstanding().len(),
+            if record.receives.lost_track() {
+                " (lost track)"
+            } else {
+                ""
+            },
+        ));
     }
     result
 }

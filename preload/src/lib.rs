@@ -27,8 +27,9 @@
 //! Objects created on a context this library did not make (one a library below the program
 //! opened before the preload, say) pass through untouched ([`objects::Registry`]).
 //!
-//! What is here: the virtual objects and the interposition of the verbs ibv_rc_pingpong and
-//! similar programs use. What is not yet: quiesce, rebuild and resume on a new device, the
+//! What is here: the virtual objects, the interposition of the verbs ibv_rc_pingpong and
+//! similar programs use, and the record of what a rebuild will need ([`record`]). What is
+//! not yet: quiesce, rebuild and resume on a new device, the
 //! exchange with the peer's library, registration with the guest agent, and librdmacm's
 //! ids. docs/preload.md has the plan and the list of supported verbs.
 
@@ -36,5 +37,6 @@ pub mod exports;
 pub mod next;
 pub mod objects;
 pub mod ops;
+pub mod record;
 pub mod run;
 pub mod unsupported;

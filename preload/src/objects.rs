@@ -12,9 +12,12 @@
 //! real one, or a virtual one of another kind) is never cast.
 
 use std::collections::HashMap;
+use std::os::raw::c_uint;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rdma_sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
+
+use crate::record::{QpSetup, Receives};
 
 /// What a registered address is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,10 +77,15 @@ pub struct Pd {
 /// A memory region. Its keys are the ones the program was given.
 #[repr(C)]
 pub struct Mr {
-    /// The program's MR.
+    /// The program's MR (its address and length are the registration's).
     pub public: ibv_mr,
     /// The provider's MR.
     pub real: *mut ibv_mr,
+    /// The access flags it was registered with: with the address, length and IOVA, what
+    /// registering it again on a new device takes.
+    pub access: c_uint,
+    /// The IOVA it was registered at (its address, unless an `_iova` verb said otherwise).
+    pub iova: u64,
 }
 
 /// A completion queue. The real CQ's `cq_context` points back here, so that a completion
@@ -88,6 +96,9 @@ pub struct Cq {
     pub public: ibv_cq,
     /// The provider's CQ.
     pub real: *mut ibv_cq,
+    /// The virtual QPs whose receives complete here, by QP number (the number a
+    /// completion carries): polling records each receive completion on its QP.
+    pub receivers: Mutex<Vec<(u32, usize)>>,
 }
 
 /// A queue pair. The real QP's `qp_context` points back here, so that an async event names
@@ -98,6 +109,24 @@ pub struct Qp {
     pub public: ibv_qp,
     /// The provider's QP.
     pub real: *mut ibv_qp,
+    /// What a rebuild needs: its attributes and its outstanding receives.
+    pub record: Mutex<QpRecord>,
+}
+
+/// What rebuilding a QP on a new device takes ([`crate::record`]).
+#[derive(Default)]
+pub struct QpRecord {
+    /// Its attributes, as the program set them.
+    pub setup: QpSetup,
+    /// Its receives posted and not completed.
+    pub receives: Receives,
+}
+
+/// `mutex`'s contents. A panic while holding one of these locks cannot leave a half-made
+/// change that matters more than losing the program (every change is one push, pop or
+/// copy): carry on with it.
+pub fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 macro_rules! virtual_kind {
@@ -130,9 +159,7 @@ pub struct Registry {
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
 fn registry() -> MutexGuard<'static, Option<Registry>> {
-    // A panic while holding the lock cannot leave the map half-changed (one insert or
-    // remove): carry on with it.
-    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+    locked(&REGISTRY)
 }
 
 impl Registry {
@@ -161,9 +188,16 @@ impl Registry {
 pub const TRACE_ENV: &str = "RDMAMIG_PRELOAD_TRACE";
 
 /// Whether [`TRACE_ENV`] is set (to anything but 0).
-fn tracing() -> bool {
+pub fn tracing() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os(TRACE_ENV).is_some_and(|v| v != "0"))
+}
+
+/// Writes `what` on stderr, naming this library and the process, if [`tracing`].
+pub fn trace(what: std::fmt::Arguments) {
+    if tracing() {
+        eprintln!("rdmamig-preload[{}]: {what}", std::process::id());
+    }
 }
 
 /// Moves `object` to the heap, registers it and returns the pointer the program gets.
@@ -172,13 +206,7 @@ pub fn publish<V: Virtual>(object: V) -> *mut V::Public {
     registry()
         .get_or_insert_with(Registry::default)
         .insert(object as usize, V::KIND);
-    if tracing() {
-        eprintln!(
-            "rdmamig-preload[{}]: virtual {:?} at {object:p}",
-            std::process::id(),
-            V::KIND
-        );
-    }
+    trace(format_args!("virtual {:?} at {object:p}", V::KIND));
     object.cast()
 }
 

@@ -20,6 +20,7 @@
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
+use rdmamig_testbed::steps::wait_listening;
 use rdmamig_testbed::{error_chain, Guest, Testbed};
 use serde_json::Value;
 
@@ -496,20 +497,6 @@ fn wait_server(guest: &Guest) -> Result<(), Box<dyn std::error::Error>> {
     guest.run_ok(
         "i=0; while kill -0 $(cat /tmp/server.pid) 2>/dev/null; do \
            i=$((i+1)); [ $i -gt 600 ] && exit 1; sleep 0.05; done",
-        RUN_TIMEOUT,
-    )?;
-    Ok(())
-}
-
-/// Waits until a TCP port is in state LISTEN (0A) in `guest` (bounded); the previous run's
-/// connection may still be listed on it, in TIME_WAIT.
-fn wait_listening(guest: &Guest, port: u16) -> Result<(), Box<dyn std::error::Error>> {
-    guest.run_ok(
-        &format!(
-            "i=0; until awk '$2 ~ /:{port:04X}$/ && $4 == \"0A\" {{ f = 1 }} END {{ exit !f }}' \
-               /proc/net/tcp /proc/net/tcp6; do \
-               i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done"
-        ),
         RUN_TIMEOUT,
     )?;
     Ok(())

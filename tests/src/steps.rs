@@ -430,3 +430,18 @@ impl MoveGuests {
         wait_ready(&self.src, tag, 1)
     }
 }
+
+/// Waits (10 s at most) until a socket in `guest` listens on TCP `port`. Only the LISTEN
+/// state counts: a connection of an earlier run on that port lingers in TIME_WAIT, and a
+/// client started on its sight finds nobody listening yet.
+pub fn wait_listening(guest: &dyn Shell, port: u16) -> StepResult<()> {
+    guest.run_ok(
+        &format!(
+            "i=0; until awk '$2 ~ /:{port:04X}$/ && $4 == \"0A\" {{ f = 1 }} END {{ exit !f }}' \
+               /proc/net/tcp /proc/net/tcp6; do \
+               i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done"
+        ),
+        step_timeout(guest),
+    )?;
+    Ok(())
+}
