@@ -49,14 +49,24 @@ pub fn active_ports(root: &Path) -> Vec<ActivePort> {
     found
 }
 
-/// Waits until some port under `root` is ACTIVE, polling every `interval`, for at most
-/// `timeout`. Returns the active ports, or `None` when the time ran out.
+/// The first pause between two looks at the ports: a port that comes up at once (a
+/// function that kept its link) is seen within it.
+const FIRST_POLL: Duration = Duration::from_millis(10);
+
+/// Waits until some port under `root` is ACTIVE, for at most `timeout`. Returns the active
+/// ports, or `None` when the time ran out.
+///
+/// The pause between looks starts at [`FIRST_POLL`] and doubles up to `longest`: a new
+/// function's link takes seconds on hardware and minutes in a nested test-bed VM, where a
+/// look every 10 ms for all that time was work the VM's own bring-up had to share the CPU
+/// with.
 pub fn wait_for_active_port(
     root: &Path,
     timeout: Duration,
-    interval: Duration,
+    longest: Duration,
 ) -> Option<Vec<ActivePort>> {
     let end = Instant::now() + timeout;
+    let mut pause = FIRST_POLL.min(longest);
     loop {
         let ports = active_ports(root);
         if !ports.is_empty() {
@@ -66,7 +76,8 @@ pub fn wait_for_active_port(
         if now >= end {
             return None;
         }
-        std::thread::sleep(interval.min(end - now));
+        std::thread::sleep(pause.min(end - now));
+        pause = (pause * 2).min(longest);
     }
 }
 

@@ -8,8 +8,12 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sys::signal::{SigSet, Signal};
 
 use rdmamig_proto::agent::{AgentRequest, AgentResponse, AgentResult};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
@@ -21,8 +25,9 @@ use super::Agent;
 /// Where the kernel lists virtio-serial ports and their names.
 pub const SYSFS_VIRTIO_PORTS: &str = "/sys/class/virtio-ports";
 
-/// How long to wait before reading again while no host is connected.
-const IDLE_POLL: Duration = Duration::from_millis(20);
+/// The longest a port without a host waits before reading again, should the kernel's
+/// signal not come: a host that connects is then served this late at worst.
+const HOST_WAIT_BOUND: Duration = Duration::from_secs(1);
 
 /// Why the host channel could not be opened.
 #[derive(Debug, Error)]
@@ -75,17 +80,90 @@ pub fn open_port(name: &str, timeout: Duration) -> Result<File, HostPortError> {
         })
 }
 
+/// Waits for a host to open its end of the port, without polling.
+///
+/// A read returns EOF at once while no host is connected, so reading again every 20 ms
+/// kept the agent awake all the time: in a nested TCG VM that loop alone took a large share
+/// of the VM's CPU, and the VM's own work (a new VF's probe) went that much slower.
+/// virtio_console signals SIGIO to a port in async mode when the host opens its end
+/// (VIRTIO_CONSOLE_PORT_OPEN). The signal goes to the serving thread only, where it is
+/// blocked and taken with sigtimedwait: it interrupts nothing, and a host that connects
+/// between the EOF and the wait leaves it pending, so the wait returns at once.
+pub struct HostWait {
+    signals: SigSet,
+}
+
+impl HostWait {
+    /// Puts `port` in async mode with the calling thread as the signal's target: call it on
+    /// the thread that serves the port. If the port refuses, the agent still serves it,
+    /// reading again every [`HOST_WAIT_BOUND`] (logged).
+    pub fn for_port(port: &File) -> HostWait {
+        let mut signals = SigSet::empty();
+        signals.add(Signal::SIGIO);
+        if let Err(e) = signals.thread_block() {
+            warn!("cannot block SIGIO in the host port's thread: {e}");
+        }
+        if let Err(e) = signal_this_thread(port) {
+            warn!(
+                "the host port does not signal a host's arrival ({e}): a host waits up to \
+                 {} ms for its first answer",
+                HOST_WAIT_BOUND.as_millis()
+            );
+        }
+        HostWait { signals }
+    }
+
+    /// Returns once a host may have connected: on the port's signal, or after `bound`.
+    fn wait(&self, bound: Duration) {
+        let timeout = libc::timespec {
+            tv_sec: bound.as_secs() as libc::time_t,
+            tv_nsec: bound.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: the set and the timeout are live values of the types sigtimedwait reads,
+        // and a null info pointer is allowed. Only SIGIO, blocked in this thread, is taken.
+        unsafe { libc::sigtimedwait(self.signals.as_ref(), std::ptr::null_mut(), &timeout) };
+    }
+}
+
+/// fcntl(2)'s `struct f_owner_ex`, and the two constants that go with it (Linux's
+/// asm-generic/fcntl.h), which the libc crate does not have.
+#[repr(C)]
+struct OwnerEx {
+    kind: libc::c_int,
+    pid: libc::pid_t,
+}
+const F_SETOWN_EX: libc::c_int = 15;
+const F_OWNER_TID: libc::c_int = 0;
+
+/// Makes the kernel send SIGIO to the calling thread (not any thread of the process, as
+/// plain F_SETOWN would) when `port`'s state changes.
+fn signal_this_thread(port: &File) -> nix::Result<()> {
+    let fd = port.as_raw_fd();
+    let owner = OwnerEx {
+        kind: F_OWNER_TID,
+        pid: nix::unistd::gettid().as_raw(),
+    };
+    // SAFETY: F_SETOWN_EX reads one f_owner_ex (laid out as OwnerEx) through the pointer,
+    // which is live for the call.
+    if unsafe { libc::fcntl(fd, F_SETOWN_EX, &owner) } != 0 {
+        return Err(nix::Error::last());
+    }
+    let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
+    fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_ASYNC))?;
+    Ok(())
+}
+
 /// What an end of stream means on this channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnEof {
-    /// A virtio-serial port: no host right now; wait and read again.
-    WaitForHost,
+#[derive(Clone, Copy)]
+pub enum OnEof<'a> {
+    /// A virtio-serial port: no host right now; wait for one and read again.
+    WaitForHost(&'a HostWait),
     /// An ordinary stream: the peer is gone; stop serving.
     Stop,
 }
 
 /// Serves host requests from `channel` until it ends (never, for a port).
-pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof) {
+pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof<'_>) {
     let mut frames = FrameBuffer::new();
     let mut chunk = [0u8; 4096];
     loop {
@@ -98,8 +176,8 @@ pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof) {
                 agent.host_left();
                 match on_eof {
                     OnEof::Stop => return,
-                    OnEof::WaitForHost => {
-                        std::thread::sleep(IDLE_POLL);
+                    OnEof::WaitForHost(host) => {
+                        host.wait(HOST_WAIT_BOUND);
                         continue;
                     }
                 }
@@ -109,10 +187,11 @@ pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof) {
             Err(e) => {
                 warn!("reading the host channel failed: {e}");
                 agent.host_left();
-                if on_eof == OnEof::Stop {
-                    return;
+                match on_eof {
+                    OnEof::Stop => return,
+                    // Not a host's arrival, so no signal comes: the bound paces the retries.
+                    OnEof::WaitForHost(host) => host.wait(HOST_WAIT_BOUND),
                 }
-                std::thread::sleep(IDLE_POLL);
                 continue;
             }
         };

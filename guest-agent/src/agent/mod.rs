@@ -51,6 +51,10 @@ const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// while connections are paused with their QPs kept.
 const SELF_CONFIRM_MS: u64 = 10_000;
 
+/// The longest pause between two looks for an ACTIVE port at resume: what the blackout may
+/// gain on top of the port's own bring-up.
+const PORT_POLL_LONGEST: Duration = Duration::from_millis(50);
+
 /// The agent's state: the registered processes and where to look for RDMA devices and
 /// processes.
 pub struct Agent {
@@ -152,7 +156,7 @@ impl Agent {
                 let Some(ports) = device::wait_for_active_port(
                     &self.sysfs_infiniband,
                     deadline.saturating_duration_since(Instant::now()),
-                    Duration::from_millis(10),
+                    PORT_POLL_LONGEST,
                 ) else {
                     return AgentResult::Error {
                         message: format!(

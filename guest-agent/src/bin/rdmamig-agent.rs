@@ -119,7 +119,8 @@ fn main() -> ExitCode {
         match host::open_port(&args.port_name, Duration::from_secs(args.port_wait)) {
             Ok(mut port) => {
                 info!(port = %args.port_name, apps = %args.app_socket.display(), "agent serving");
-                host::serve(&mut port, &agent, host::OnEof::WaitForHost);
+                let host = host::HostWait::for_port(&port);
+                host::serve(&mut port, &agent, host::OnEof::WaitForHost(&host));
                 ExitCode::SUCCESS
             }
             // A VM with only a vsock (Cloud Hypervisor) is served there.
