@@ -30,6 +30,7 @@
 //! `cargo build --release --workspace`. Needs root, /dev/net/tun and qemu-system-x86_64 10;
 //! fails (never skips) without them. Takes long: see docs/testbed.md.
 
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use rdmamig_testbed::nested::{
@@ -60,12 +61,12 @@ const DEADLINES: &[&str] = &[
     "detach=300000",
     "migrate=300000",
     "attach=300000",
-    "resume=900000",
+    "resume=1500000",
     // A rollback plugs A's VF back and waits for its link, which takes as long as B's.
     "rollback=600000",
 ];
 /// The bound on a whole `rdmamig migrate` in a host.
-const MOVE_TIMEOUT: Duration = Duration::from_secs(40 * 60);
+const MOVE_TIMEOUT: Duration = Duration::from_secs(50 * 60);
 /// Console commands that take a while in a nested VM.
 const SLOW: Duration = Duration::from_secs(300);
 
@@ -310,11 +311,12 @@ enum Traffic {
 
 fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
     let server = format!("{}:{FLOW_PORT}", run.peer.spec().address());
-    // The blackout lasts minutes here (the arrived VM's VF takes that long to have link), so
-    // the rate keeps what a side sends meanwhile inside its outbox (4096 messages: 13 min at
-    // 5/s), and the end's flush allows for acknowledgements that come seconds apart.
+    // The blackout lasts minutes here (the arrived VM's VF takes that long to have link: 3 to
+    // 24 minutes seen), so the rate keeps what a side sends meanwhile inside its outbox (4096
+    // messages: 34 min at 2/s), and the end's flush allows for acknowledgements that come
+    // seconds apart.
     let mut common =
-        String::from("--rate 5 --connect-timeout-s 120 --peer-wait-s 1800 --flush-timeout-s 120");
+        String::from("--rate 2 --connect-timeout-s 120 --peer-wait-s 2700 --flush-timeout-s 120");
     match traffic {
         Traffic::Plain => common.push_str(" --mode plain"),
         Traffic::Migratable => common.push_str(" --mode migratable"),
@@ -458,6 +460,73 @@ fn print_timeline(strategy: &str, report: &Value) {
     }
 }
 
+/// Where a guest's CPU goes now: over 5 s, the share it was idle, the eight busiest threads
+/// (CPU seconds, as `pid:tid (name)`: a QEMU's vCPU thread apart from its main loop) and
+/// the interrupts that fired, by line. A nested VM that is never idle brings its VF up many
+/// times slower (docs/testbed.md).
+const CPU_NOW: &str = "snap() { for t in /proc/[0-9]*/task/[0-9]*; do read -r l < $t/stat && \
+      c=${l#*(} && r=${l##*) } && p=${t#/proc/} && echo \"${p%%/*}:${p##*/}|${c%)*}|$r\"; \
+    done 2>/dev/null; }; \
+    head -n 1 /proc/stat > /tmp/all1; snap > /tmp/cpu1; cat /proc/interrupts > /tmp/irq1; sleep 5; \
+    head -n 1 /proc/stat > /tmp/all2; snap > /tmp/cpu2; cat /proc/interrupts > /tmp/irq2; \
+    cat /tmp/all1 /tmp/all2 | awk '{ t = 0; for (i = 2; i <= NF; i++) t += $i; \
+      if (NR == 1) { t1 = t; i1 = $5 } else printf \"idle %.0f%% of 5 s\\n\", 100 * ($5 - i1) / (t - t1) }'; \
+    awk -F'|' '{ split($3, f, \" \"); c = f[12] + f[13] } NR == FNR { u[$1] = c; next } \
+         { d = c - u[$1]; if (d > 0) printf \"%6.2f s %s (%s)\\n\", d / 100, $1, $2 }' \
+      /tmp/cpu1 /tmp/cpu2 | sort -rn | head -n 8; \
+    awk '{ n = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i } \
+         NR == FNR { a[$1] = n; next } n > a[$1] { printf \"irq %s +%d %s %s\\n\", $1, n - a[$1], $(NF-1), $NF }' \
+      /tmp/irq1 /tmp/irq2";
+
+/// How often [`watching`] looks.
+const WATCH_EVERY: Duration = Duration::from_secs(60);
+
+/// Runs `work` while printing, every [`WATCH_EVERY`], where the CPU of each of `shells` goes
+/// ([`CPU_NOW`]): a nested move's minutes go to whatever keeps its host busy, and the log
+/// of a slow or failed run then names it.
+fn watching<T>(shells: &[(&str, &(dyn Shell + Sync))], work: impl FnOnce() -> T) -> T {
+    let (done, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let started = Instant::now();
+            while stopped.recv_timeout(WATCH_EVERY) == Err(RecvTimeoutError::Timeout) {
+                for (label, shell) in shells {
+                    let at = started.elapsed().as_secs();
+                    match shell.run(CPU_NOW, WATCH_EVERY) {
+                        Ok(out) => eprintln!("gold watch +{at} s, {label}:\n{}", out.output),
+                        Err(e) => eprintln!("gold watch +{at} s, {label}: {e}"),
+                    }
+                }
+            }
+        });
+        let result = work();
+        drop(done);
+        result
+    })
+}
+
+/// Prints what `vm`'s kernel said of its VF (hot-plug, igbvf, Soft-RoCE), with the VM's
+/// uptime to read the timestamps against, what `host`'s PF driver said, and where the host
+/// spends its CPU: where a move's minutes go on this test bed (docs/testbed.md). The VM's
+/// own CPU is not looked at: in a nested VM that look takes minutes.
+fn print_vf_log(label: &str, host: &Host, vm: &dyn Shell) {
+    let vf = "dmesg | grep -iE 'igbvf|rxe|pciehp|link is|0000:01:00' | tail -n 30; \
+              echo \"uptime $(cut -d ' ' -f 1 /proc/uptime) s\"";
+    match vm.run(vf, SLOW) {
+        Ok(out) => eprintln!("gold {label}: {} kernel log:\n{}", vm.name(), out.output),
+        Err(e) => eprintln!("gold {label}: {}'s kernel log: {e}", vm.name()),
+    }
+    let pf = format!("dmesg | grep -iE 'igb|vfio' | tail -n 20; {CPU_NOW}");
+    match host.shell().run(&pf, SLOW) {
+        Ok(out) => eprintln!(
+            "gold {label}: host {} kernel log:\n{}",
+            host.name(),
+            out.output
+        ),
+        Err(e) => eprintln!("gold {label}: host {}'s kernel log: {e}", host.name()),
+    }
+}
+
 /// A scenario: what it does, from the base.
 type Scenario = fn(&Base) -> StepResult<()>;
 
@@ -476,8 +545,9 @@ fn clean_move(base: &Base, strategy: &str, traffic: Traffic) -> StepResult<()> {
         start_flow(run, traffic)?;
         let report = migrate(run, base, strategy, "")?;
         print_timeline(strategy, &report);
-        check_move(run, &report)?;
         let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+        print_vf_log(strategy, &run.b, &destination);
+        check_move(run, &report)?;
         let (moved, _) = finish_clean_flow(&destination, MOVER_NAME, &run.peer, TAG);
         if traffic == Traffic::Bridged && moved.bridged == 0 {
             return Err(format!("nothing went over the bridge: {moved:?}").into());
@@ -513,6 +583,7 @@ fn naive(base: &Base) -> StepResult<()> {
             "gold naive: the new VF's RDMA was up {:?} after the move",
             link.elapsed()
         );
+        print_vf_log("naive", &run.b, &destination);
         std::thread::sleep(Duration::from_secs(30));
         stop_traffic(&destination, TAG)?;
         stop_traffic(&run.peer, TAG)?;
@@ -533,8 +604,15 @@ fn held_device(base: &Base) -> StepResult<()> {
     Running::scenario(base, |run| {
         start_flow(run, Traffic::Migratable)?;
         let holder = start_holder(&run.mover)?;
-        let report = migrate(run, base, "reconnect", "--unmanaged release")?;
+        // Host B only: host A's console is busy with the move itself, and a nested VM's
+        // console takes minutes for the same look.
+        let watched: [(&str, &(dyn Shell + Sync)); 1] = [("host b", run.b.shell())];
+        let report = watching(&watched, || {
+            migrate(run, base, "reconnect", "--unmanaged release")
+        })?;
         print_timeline("held_device", &report);
+        let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
+        print_vf_log("held_device", &run.b, &destination);
         check_move(run, &report)?;
         let unmanaged = report["unmanaged"].as_array().cloned().unwrap_or_default();
         let named = unmanaged
@@ -546,7 +624,6 @@ fn held_device(base: &Base) -> StepResult<()> {
             )
             .into());
         }
-        let destination = run.b.vm(base.mover.destination(DESTINATION_NAME))?;
         finish_clean_flow(&destination, MOVER_NAME, &run.peer, TAG);
         Ok(())
     })
@@ -600,6 +677,7 @@ fn held_rollback(base: &Base) -> StepResult<()> {
         if !out.trim_end().ends_with("status 4") {
             return Err(format!("rdmamig migrate did not exit 4 (rolled back): {out}").into());
         }
+        print_vf_log("held_rollback", &run.a, &run.mover);
         check_held_rollback(run, &report, holder)?;
         wait_vf_active(&run.mover)?;
         finish_clean_flow(&run.mover, MOVER_NAME, &run.peer, TAG);

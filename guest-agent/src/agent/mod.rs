@@ -52,8 +52,9 @@ const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
 const SELF_CONFIRM_MS: u64 = 10_000;
 
 /// The longest pause between two looks for an ACTIVE port at resume: what the blackout may
-/// gain on top of the port's own bring-up.
-const PORT_POLL_LONGEST: Duration = Duration::from_millis(50);
+/// gain on top of the port's own bring-up, which takes seconds on hardware. Each look costs
+/// a nested test-bed VM milliseconds, and its port takes minutes to come up.
+const PORT_POLL_LONGEST: Duration = Duration::from_millis(200);
 
 /// The agent's state: the registered processes and where to look for RDMA devices and
 /// processes.

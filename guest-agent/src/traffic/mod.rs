@@ -567,6 +567,12 @@ fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Vec<Endpoint>, Tr
 /// How often the progress file is rewritten.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
 
+/// The longest a traffic thread sleeps before it looks whether it must stop (or write the
+/// progress file). Each wake-up costs a nested test-bed VM milliseconds of its one CPU:
+/// looking every 20-100 ms, the threads of a quiet flow kept such a VM far from idle while
+/// its new VF came up, which that slowed in turn (docs/testbed.md).
+const STOP_CHECK: Duration = Duration::from_millis(250);
+
 /// Writes the counters of all flows to `path` (through a rename, so readers never see half).
 fn write_progress(path: &std::path::Path, flows: &[Flow]) {
     let mut p = Progress {
@@ -721,7 +727,7 @@ impl Flow {
                 let due = start + interval.mul_f64(n as f64);
                 let now = Instant::now();
                 if due > now {
-                    std::thread::sleep((due - now).min(Duration::from_millis(50)));
+                    std::thread::sleep((due - now).min(STOP_CHECK));
                     continue;
                 }
                 let mut m = encode_message(n, unix_us(), size);
@@ -755,7 +761,7 @@ impl Flow {
         flow.receiver = Some(std::thread::spawn(move || {
             std::thread::sleep(stall);
             while !stop_recv.load(Ordering::Relaxed) {
-                match ep.recv(Duration::from_millis(100)) {
+                match ep.recv(STOP_CHECK) {
                     Ok(Some(m)) => match decode_message(&m) {
                         Some((counter, _)) => {
                             tracker
@@ -1020,7 +1026,10 @@ pub fn run(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Report, TrafficErro
     let begin = Instant::now();
     let mut last_progress = begin;
     while !stop.load(Ordering::Relaxed) && cfg.duration.is_none_or(|d| begin.elapsed() < d) {
-        std::thread::sleep(Duration::from_millis(20));
+        let left = cfg
+            .duration
+            .map_or(STOP_CHECK, |d| d.saturating_sub(begin.elapsed()));
+        std::thread::sleep(left.min(STOP_CHECK));
         if let Some(path) = &cfg.progress_file {
             if last_progress.elapsed() >= PROGRESS_INTERVAL {
                 last_progress = Instant::now();
