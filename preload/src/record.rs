@@ -178,7 +178,7 @@ impl Receives {
         }
     }
 
-    /// The QP failed a work request (or was destroyed): what was posted is gone.
+    /// The QP failed a work request or entered the error state: what was posted is flushed.
     pub fn lose_track(&mut self) {
         self.posted.clear();
         self.lost = true;
