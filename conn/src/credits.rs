@@ -78,6 +78,12 @@ impl StarvedProbe {
         Self { every, since: None }
     }
 
+    /// The sender is starved and a probe will be due: its owner must look again within
+    /// `every`.
+    pub(crate) fn armed(&self) -> bool {
+        self.since.is_some()
+    }
+
     /// Called on every pass with whether the sender is starved (DATA waits for credits and
     /// nothing is in flight); says whether to probe now.
     pub(crate) fn due(&mut self, starved: bool, now: Instant) -> bool {

@@ -15,6 +15,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
@@ -36,6 +38,11 @@ use rdmamig_verbs::{refresh_device_list, CmEvent, CmEventKind, CmId, EventChanne
 const BACKLOG: i32 = 64;
 const RELISTEN_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The longest the listener's threads sleep when nothing wakes them: commands and the
+/// listener's drop wake them at once, and on a TCG guest each needless wake-up costs CPU
+/// the VM's other work needs.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+
 enum ListenerCommand {
     Quiesce(mpsc::Sender<Result<(), ControlError>>),
     Resume(Instant, mpsc::Sender<Result<(), ControlError>>),
@@ -55,6 +62,10 @@ pub(crate) struct ListenerShared {
     routes: Mutex<HashMap<ConnectionId, Weak<ConnShared>>>,
     failure: Mutex<Option<String>>,
     commands: Mutex<mpsc::Sender<ListenerCommand>>,
+    /// Wakes the listener thread: a command was sent, or the listener was dropped.
+    wake: Arc<EventFd>,
+    /// Wakes the bridge listener's thread when the listener is dropped.
+    bridges_wake: Arc<EventFd>,
     /// Bridge streams whose greeting is being read (at most [`MAX_PENDING_BRIDGES`]).
     pending_bridges: Arc<AtomicUsize>,
 }
@@ -71,6 +82,7 @@ impl ListenerShared {
             .unwrap_or_else(|p| p.into_inner())
             .send(cmd)
             .map_err(|_| ControlError::ListenerStopped)?;
+        let _ = self.wake.write(1);
         let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
         rx.recv_timeout(wait)
             .map_err(|_| ControlError::ListenerNoAnswer)?
@@ -151,6 +163,15 @@ impl Listener {
             })
             .transpose()?;
         let (tx, rx) = mpsc::channel();
+        let new_wake = || {
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+                .map(Arc::new)
+                .map_err(|e| ConnError::Spawn {
+                    what: "listener wake-up eventfd",
+                    source: e.into(),
+                })
+        };
+        let (wake, bridges_wake) = (new_wake()?, new_wake()?);
         let shared = Arc::new(ListenerShared {
             addr,
             opts: opts.clone(),
@@ -161,6 +182,8 @@ impl Listener {
             routes: Mutex::new(HashMap::new()),
             failure: Mutex::new(None),
             commands: Mutex::new(tx),
+            wake: wake.clone(),
+            bridges_wake: bridges_wake.clone(),
             pending_bridges: Arc::new(AtomicUsize::new(0)),
         });
         let weak = Arc::downgrade(&shared);
@@ -170,6 +193,7 @@ impl Listener {
                 let mut t = ListenerThread {
                     shared: weak,
                     rx,
+                    wake,
                     id: Some(id),
                     chan,
                     state: Listening::Up,
@@ -185,7 +209,7 @@ impl Listener {
             let weak = Arc::downgrade(&shared);
             std::thread::Builder::new()
                 .name("rdmamig-bridges".into())
-                .spawn(move || serve_bridges(bridge, weak))
+                .spawn(move || serve_bridges(bridge, weak, &bridges_wake))
                 .map_err(|source| ConnError::Spawn {
                     what: "bridge listener thread",
                     source,
@@ -270,6 +294,9 @@ impl Drop for Listener {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
+        // The threads end once they find the shared state gone: wake them to look.
+        let _ = self.shared.wake.write(1);
+        let _ = self.shared.bridges_wake.write(1);
     }
 }
 
@@ -278,7 +305,7 @@ impl Drop for Listener {
 /// token, to that connection. Each greeting is read on a thread of its own within the
 /// bridge's set-up timeout, at most [`MAX_PENDING_BRIDGES`] at once (a stream past that is
 /// closed at once), so a slow or silent client never holds up another's bridge.
-fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>) {
+fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>, wake: &EventFd) {
     loop {
         let Some(strong) = shared.upgrade() else {
             return;
@@ -305,13 +332,15 @@ fn serve_bridges(listener: TcpListener, shared: Weak<ListenerShared>) {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                // Not holding the listener while idle: dropping it ends this thread.
+                // Not holding the listener while idle: dropping it ends this thread (and
+                // wakes it to see that).
                 drop(strong);
-                let mut fds = [nix::poll::PollFd::new(
-                    listener.as_fd(),
-                    nix::poll::PollFlags::POLLIN,
-                )];
-                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16));
+                let mut fds = [
+                    PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+                ];
+                let _ = poll(&mut fds, poll_timeout(IDLE_WAIT));
+                let _ = wake.read();
             }
             Err(e) => {
                 tracing::warn!(error = %e, "bridge listener: accept failed");
@@ -373,6 +402,11 @@ fn listen_on(chan: &EventChannel, addr: SocketAddr) -> Result<CmId, rdmamig_verb
     Ok(id)
 }
 
+/// `wait` as a poll timeout (a few milliseconds more, so the deadline has passed on waking).
+fn poll_timeout(wait: Duration) -> PollTimeout {
+    PollTimeout::try_from(wait.as_millis() + 1).unwrap_or(PollTimeout::MAX)
+}
+
 enum Listening {
     Up,
     /// Quiesced: no listening id until a resume (or until `hold_until`).
@@ -386,9 +420,22 @@ enum Listening {
     },
 }
 
+impl Listening {
+    /// How long the listener thread may sleep when no event or command comes.
+    fn wait(&self, now: Instant) -> Duration {
+        match self {
+            Listening::Up => IDLE_WAIT,
+            Listening::Quiesced { hold_until } => hold_until.saturating_duration_since(now),
+            Listening::Retrying { next, .. } => next.saturating_duration_since(now),
+        }
+        .min(IDLE_WAIT)
+    }
+}
+
 struct ListenerThread {
     shared: Weak<ListenerShared>,
     rx: mpsc::Receiver<ListenerCommand>,
+    wake: Arc<EventFd>,
     // Before `chan`: the listening id goes first.
     id: Option<CmId>,
     chan: EventChannel,
@@ -398,25 +445,32 @@ struct ListenerThread {
 
 impl ListenerThread {
     fn run(&mut self) {
-        let mut last_refresh = Instant::now();
         loop {
             let Some(shared) = self.shared.upgrade() else {
                 break;
             };
+            let _ = self.wake.read();
             while let Ok(cmd) = self.rx.try_recv() {
                 self.command(cmd, &shared);
             }
-            match self.chan.get_event(Duration::from_millis(100)) {
-                Ok(Some(ev)) => self.event(ev, &shared),
-                Ok(None) => {}
-                Err(e) => tracing::warn!(error = %e, "listener: reading CM events failed"),
+            loop {
+                match self.chan.get_event(Duration::ZERO) {
+                    Ok(Some(ev)) => self.event(ev, &shared),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "listener: reading CM events failed");
+                        break;
+                    }
+                }
             }
-            let now = Instant::now();
-            if self.id.is_none() && now.duration_since(last_refresh) >= RELISTEN_INTERVAL {
-                let _ = refresh_device_list();
-                last_refresh = now;
-            }
-            self.tick(now, &shared);
+            self.tick(Instant::now(), &shared);
+            // Not holding the shared state while asleep: its drop ends this thread.
+            drop(shared);
+            let mut fds = [
+                PollFd::new(self.chan.fd(), PollFlags::POLLIN),
+                PollFd::new(self.wake.as_fd(), PollFlags::POLLIN),
+            ];
+            let _ = poll(&mut fds, poll_timeout(self.state.wait(Instant::now())));
         }
         self.id = None;
     }
@@ -459,6 +513,9 @@ impl ListenerThread {
                 if now < *next {
                     return;
                 }
+                // librdmacm must know the new device first: an old one with the same GUID
+                // would be picked for it otherwise.
+                let _ = refresh_device_list();
                 match listen_on(&self.chan, self.addr) {
                     Ok(id) => {
                         self.id = Some(id);

@@ -86,6 +86,22 @@ pub(crate) fn remember_context(ctx: *mut ibv_context) -> i32 {
     cmd_fd
 }
 
+/// Whether the node of a device whose context is cached is gone: a refresh has a context
+/// to release (or will have, once its owner released its objects).
+pub(crate) fn eviction_pending() -> bool {
+    cached_contexts()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|c| !uverbs_present(&c.uverbs))
+}
+
+fn uverbs_present(uverbs: &str) -> bool {
+    std::path::Path::new("/sys/class/infiniband_verbs")
+        .join(uverbs)
+        .exists()
+}
+
 /// Refreshes librdmacm's device list (rdma_get_devices + rdma_free_devices) and releases the
 /// cached context of every device that has vanished.
 ///
@@ -100,6 +116,9 @@ pub(crate) fn remember_context(ctx: *mut ibv_context) -> i32 {
 /// the /dev/null duplicates. A context on which this process still has a PD (and so
 /// possibly a QP, CQ or MRs) is left alone until a later refresh, after its owner released
 /// them. Returns the number of devices present.
+///
+/// The process's device watcher (started with the first context) calls this whenever the
+/// kernel announces a device change; a connection calls it after releasing its objects.
 pub fn refresh_device_list() -> Result<usize, VerbsError> {
     let mut n: i32 = 0;
     // SAFETY: `n` is an out-parameter; the result is checked for NULL.
@@ -115,10 +134,7 @@ pub fn refresh_device_list() -> Result<usize, VerbsError> {
 fn evict_vanished_contexts() {
     let mut list = cached_contexts().lock().unwrap_or_else(|p| p.into_inner());
     list.retain(|c| {
-        let present = std::path::Path::new("/sys/class/infiniband_verbs")
-            .join(&c.uverbs)
-            .exists();
-        if present || context_busy(c.cmd_fd) {
+        if uverbs_present(&c.uverbs) || context_busy(c.cmd_fd) {
             return true;
         }
         let link = |fd: i32| std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();

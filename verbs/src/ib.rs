@@ -9,6 +9,7 @@ use std::time::Duration;
 use rdma_sys::*;
 
 use crate::context::{context_in_use, remember_context};
+use crate::devices::ensure_watching;
 use crate::error::VerbsError;
 use crate::fd::{set_nonblocking, wait_readable, OwnsFd};
 use crate::inner::IdInner;
@@ -66,6 +67,7 @@ impl ProtectionDomain {
             return Err(VerbsError::NoDevice);
         }
         let cmd_fd = remember_context(ctx);
+        ensure_watching();
         // SAFETY: `ctx` is the id's open device context (non-NULL, kept open by the id).
         let ptr = unsafe { ibv_alloc_pd(ctx) };
         let ptr =

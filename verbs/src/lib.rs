@@ -12,15 +12,19 @@
 //!
 //! An explicit teardown (quiesce) drops, in this order: QP (via [`CmId::destroy_qp`]), CQ,
 //! MRs, PD, cm id, channels. [`refresh_device_list`] then lets librdmacm close the device
-//! context it caches for a device that is going away (see docs/architecture.md).
+//! context it caches for a device that is going away (see docs/architecture.md); the
+//! `devices` watcher calls it whenever the kernel announces a device change.
 //!
 //! The modules form a tree with no import cycle: `error` ([`VerbsError`]) and `fd` are leaves;
 //! `inner` holds the raw channel and id handles that both `cm` and `ib` use, `context` the
-//! device-context cache; `cm` builds on `ib` (a QP needs a PD and a CQ), never the reverse.
+//! device-context cache and `devices` (on `context`) the thread that refreshes it; `ib`
+//! starts that thread with the first PD; `cm` builds on `ib` (a QP needs a PD and a CQ),
+//! never the reverse.
 //! This root only declares the modules and re-exports their public types.
 
 mod cm;
 mod context;
+mod devices;
 mod error;
 mod fd;
 mod ib;

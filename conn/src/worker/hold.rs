@@ -16,9 +16,6 @@ use crate::wire::{Kind, FLAG_BRIDGE, FLAG_HOT, FLAG_MOVING};
 use rdmamig_proto::agent::QuiesceMode;
 use rdmamig_verbs::{refresh_device_list, CmEventKind};
 
-/// How often the device list is refreshed while the connection holds no device.
-pub(super) const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
-
 /// How long to wait for DISCONNECTED after rdma_disconnect.
 pub(super) const DISCONNECT_WAIT: Duration = Duration::from_millis(1000);
 
@@ -299,8 +296,9 @@ impl Worker {
             self.start_bridging();
         }
         drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
+                    // A device already gone is released now; one that goes later, by the process's
+                    // device watcher when the kernel says so.
         let _ = refresh_device_list();
-        self.last_refresh = Instant::now();
         tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, expected, "link released");
         if !expected {
             self.sh.lock().stats.link_events.push(why.to_string());
@@ -343,12 +341,35 @@ impl Worker {
         }
     }
 
+    /// Nothing of this connection is timed more closely than a second: no request pending,
+    /// no bridge to open, and up with a link that waits on no timer ([`Link::timed`]),
+    /// holding (for a resume, or `peer_wait`), or the passive side awaiting its peer's
+    /// reconnect (which the listener brings). Anything else ticks every 100 ms.
+    pub(super) fn quiet(&self) -> bool {
+        if self.quiesce_op.is_some()
+            || self.resume_op.is_some()
+            || self.close_op.is_some()
+            || self.bridging
+            || self.bridge_reopen_due()
+        {
+            return false;
+        }
+        match self.phase {
+            Phase::Up => self.link.as_ref().is_some_and(|l| !l.timed()),
+            Phase::Held => true,
+            Phase::AwaitingPeer => self.peer.is_none(),
+            Phase::Connecting
+            | Phase::Quiescing
+            | Phase::Paused
+            | Phase::Resuming
+            | Phase::Closing
+            | Phase::Closed
+            | Phase::Failed => false,
+        }
+    }
+
     pub(super) async fn down_tick(&mut self) {
         let now = Instant::now();
-        if now.duration_since(self.last_refresh) >= REFRESH_INTERVAL {
-            let _ = refresh_device_list();
-            self.last_refresh = now;
-        }
         match self.phase {
             Phase::Held => {
                 if now >= self.down_until {
@@ -369,6 +390,9 @@ impl Worker {
                     return;
                 }
                 if self.peer.is_some() && now >= self.next_attempt {
+                    // librdmacm must know a new device first: an old one with the same
+                    // GUID would be picked for it otherwise.
+                    let _ = refresh_device_list();
                     match self.attempt(true).await {
                         Ok(()) => {}
                         Err(e) => match e.refused() {

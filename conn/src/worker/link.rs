@@ -202,6 +202,16 @@ pub(super) struct Link {
 }
 
 impl Link {
+    /// Something on this link waits on a timer: our pause (PAUSE_ACK, DISCONNECTED, a `hot`
+    /// probe), the peer's pause, or the probe of a sender starved of credits.
+    pub(super) fn timed(&self) -> bool {
+        self.pause.is_some()
+            || self.peer_paused.is_some()
+            || self.owe_pause_ack
+            || self.disconnecting.is_some()
+            || self.starved.armed()
+    }
+
     pub(super) fn can_post_control(&self) -> bool {
         self.free_slots() > 0 && self.credits.can_send_control() && self.disconnecting.is_none()
     }

@@ -4,7 +4,8 @@
 //!
 //! Every wait is an await on tokio: the completion channel, the CM event channel and the
 //! bridge socket through [`AsyncFd`] (all non-blocking), the application's wake-ups through
-//! a `Notify`, the coarse deadlines on a 100 ms interval. AsyncFd is edge-triggered: a
+//! a `Notify`, the coarse deadlines on a tick (100 ms, or 1 s while nothing is timed
+//! closely: [`Worker::tick`]). AsyncFd is edge-triggered: a
 //! readiness is cleared when the worker takes it, before it reads, and every read then goes
 //! on until the descriptor has nothing more (EAGAIN), so whatever arrives after the clear
 //! raises it again. CM events read ahead while waiting for one in particular wait in a queue.
@@ -31,7 +32,6 @@ use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
-use tokio::time::{Interval, MissedTickBehavior};
 
 mod bridging;
 mod data;
@@ -56,6 +56,10 @@ use rdmamig_verbs::{refresh_device_list, CmEvent, CmId, EventChannel, WorkComple
 
 /// The worker's tick: the granularity of its deadlines.
 const TICK: Duration = Duration::from_millis(100);
+
+/// The tick of a quiet connection ([`Worker::quiet`]): on a TCG guest each wake-up costs
+/// CPU the VM's other work needs, and a nested VM's vCPU was most of its host's.
+const QUIET_TICK: Duration = Duration::from_secs(1);
 
 /// How the worker starts.
 pub(crate) enum Start {
@@ -135,8 +139,6 @@ struct Worker {
     /// CM events read from `chan` but not yet handled (read ahead by [`Worker::wait_for`]).
     cm_queue: VecDeque<CmEvent>,
     bridge: Option<AsyncFd<Bridge>>,
-    /// Drives the coarse deadlines while nothing else wakes the worker.
-    tick: Interval,
     /// This side sends its messages over the bridge (from its quiesce with `bridge`, or the
     /// peer's PAUSE asking for it, until a new RDMA link is installed).
     bridging: bool,
@@ -147,7 +149,6 @@ struct Worker {
     resume_op: Option<(Instant, Reply)>,
     close_op: Option<(Instant, Reply)>,
     next_attempt: Instant,
-    last_refresh: Instant,
     last_error: String,
     /// The link event that started the current wait for the peer.
     last_link: Option<LinkEvent>,
@@ -216,8 +217,6 @@ impl Worker {
             what: "watch on the CM event channel",
             source,
         })?;
-        let mut tick = tokio::time::interval(TICK);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let slot = HEADER_LEN + sh.opts.max_message;
         Ok(Worker {
             sh,
@@ -228,7 +227,6 @@ impl Worker {
             chan,
             cm_queue: VecDeque::new(),
             bridge: None,
-            tick,
             bridging: false,
             next_bridge_attempt: Instant::now(),
             peer: None,
@@ -236,7 +234,6 @@ impl Worker {
             resume_op: None,
             close_op: None,
             next_attempt: Instant::now(),
-            last_refresh: Instant::now(),
             last_error: String::new(),
             last_link: None,
             slot,
@@ -295,7 +292,7 @@ impl Worker {
             // Everything that needs prompt action wakes the worker (the application's
             // Notify, the CM channel, the completion channel, the bridge); the tick only
             // drives the coarse deadlines (100 ms granularity, all of them at least 500 ms
-            // long). Only channels found readable are read: on a TCG guest each read that
+            // long, or 1 s while none is near). Only channels found readable are read: on a TCG guest each read that
             // would find nothing (EAGAIN) is a system call the round does not need.
             let ready = self.wait().await;
             self.handle_commands().await;
@@ -349,9 +346,18 @@ impl Worker {
             taken = bridge_ready(self.bridge.as_ref()) => {
                 clear(taken);
             }
-            _ = self.tick.tick() => {}
+            () = tokio::time::sleep(self.tick()) => {}
         }
         ready
+    }
+
+    /// How long the worker sleeps at most when nothing wakes it.
+    fn tick(&self) -> Duration {
+        if self.quiet() {
+            QUIET_TICK
+        } else {
+            TICK
+        }
     }
 
     async fn handle_commands(&mut self) {
