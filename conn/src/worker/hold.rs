@@ -393,7 +393,7 @@ impl Worker {
                     // librdmacm must know a new device first: an old one with the same
                     // GUID would be picked for it otherwise.
                     let _ = refresh_device_list();
-                    match self.attempt(true).await {
+                    match self.attempt(true, self.down_until).await {
                         Ok(()) => {}
                         Err(e) => match e.refused() {
                             Some(reason) => self.fail(Failure::ResumeRefused(reason)),

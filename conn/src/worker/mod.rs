@@ -149,6 +149,9 @@ struct Worker {
     resume_op: Option<(Instant, Reply)>,
     close_op: Option<(Instant, Reply)>,
     next_attempt: Instant,
+    /// Set-up steps in a row that got no CM event in time: each doubles the next attempt's
+    /// bounds (`setup::patient`).
+    setup_timeouts: u32,
     last_error: String,
     /// The link event that started the current wait for the peer.
     last_link: Option<LinkEvent>,
@@ -234,6 +237,7 @@ impl Worker {
             resume_op: None,
             close_op: None,
             next_attempt: Instant::now(),
+            setup_timeouts: 0,
             last_error: String::new(),
             last_link: None,
             slot,

@@ -22,10 +22,28 @@ use crate::wire::{Accept, Hello, PrivateData, Reject, RejectReason, WireError};
 use rdmamig_verbs::watch;
 use rdmamig_verbs::{CmEvent, CmEventKind, CmId, IdKey, VerbsError};
 
-/// Bounds of the set-up steps of one connect attempt.
+/// Bounds of the set-up steps of one connect attempt, before any of them timed out
+/// ([`patient`]).
 pub(super) const RESOLVE_TIMEOUT: Duration = Duration::from_millis(1000);
 
 pub(super) const ESTABLISH_TIMEOUT: Duration = Duration::from_millis(3000);
+
+/// How many times the set-up bounds may double: 16x, so 48 s for ESTABLISHED.
+const MAX_DOUBLINGS: u32 = 4;
+
+/// The bound of a set-up step whose `base` bound was too short `timeouts` times in a row:
+/// doubled each time, at most [`MAX_DOUBLINGS`] times, and no longer than the `left` of the
+/// connection's own deadline (but never shorter than `base`).
+///
+/// A peer that is merely slow then gets through on a later attempt. With fixed bounds a
+/// nested VM that took more than 3 s to accept was given up on at every attempt, and each
+/// give-up made its pending accept fail (rdma_create_qp and rdma_accept with EINVAL, the CM
+/// request gone) while costing it the work of one more accept.
+pub(super) fn patient(base: Duration, timeouts: u32, left: Duration) -> Duration {
+    (base * (1 << timeouts.min(MAX_DOUBLINGS)))
+        .min(left)
+        .max(base)
+}
 
 /// How often a sender that waits for credits with nothing in flight probes its peer.
 pub(super) const STARVED_PROBE: Duration = Duration::from_secs(1);
@@ -130,7 +148,7 @@ impl Worker {
                 self.peer = Some(peer);
                 let deadline = Instant::now() + self.sh.opts.connect_timeout;
                 loop {
-                    match self.attempt(false).await {
+                    match self.attempt(false, deadline).await {
                         Ok(()) => {
                             if let Err(err) = self.open_first_bridge(deadline).await {
                                 let _ = ready.send(Err(err));
@@ -256,14 +274,49 @@ impl Worker {
         Ok(())
     }
 
-    pub(super) async fn attempt(&mut self, resume: bool) -> Result<(), AttemptError> {
+    /// Counts the set-up steps that timed out in a row (an attempt that got through starts
+    /// the count again), for the next attempt's bounds ([`patient`]).
+    fn count_timeouts<T>(&mut self, result: &Result<T, AttemptError>) {
+        match result {
+            Ok(_) => self.setup_timeouts = 0,
+            Err(AttemptError::NoEvent { .. }) => {
+                self.setup_timeouts = self.setup_timeouts.saturating_add(1);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// The bound of a set-up step now, for a connection that must be up by `until`.
+    fn bound(&self, base: Duration, until: Instant) -> Duration {
+        patient(
+            base,
+            self.setup_timeouts,
+            until.saturating_duration_since(Instant::now()),
+        )
+    }
+
+    /// One connect attempt (a RESUME if `resume`), with set-up bounds that stretch while
+    /// they time out, within `until`.
+    pub(super) async fn attempt(
+        &mut self,
+        resume: bool,
+        until: Instant,
+    ) -> Result<(), AttemptError> {
+        let result = self.connect_once(resume, until).await;
+        self.count_timeouts(&result);
+        result
+    }
+
+    async fn connect_once(&mut self, resume: bool, until: Instant) -> Result<(), AttemptError> {
         let peer = self.peer.ok_or(AttemptError::NoPeer)?;
         self.forget_released_ids();
+        let resolve = self.bound(RESOLVE_TIMEOUT, until);
+        let establish = self.bound(ESTABLISH_TIMEOUT, until);
         let id = CmId::create(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
-        id.resolve_addr(peer, RESOLVE_TIMEOUT)?;
+        id.resolve_addr(peer, resolve)?;
         let ev = self
-            .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
+            .wait_for(id.key(), resolve + Duration::from_millis(500))
             .await?;
         if ev.kind != CmEventKind::AddrResolved {
             return Err(AttemptError::AddrResolution {
@@ -271,9 +324,9 @@ impl Worker {
                 status: ev.status,
             });
         }
-        id.resolve_route(RESOLVE_TIMEOUT)?;
+        id.resolve_route(resolve)?;
         let ev = self
-            .wait_for(id.key(), RESOLVE_TIMEOUT + Duration::from_millis(500))
+            .wait_for(id.key(), resolve + Duration::from_millis(500))
             .await?;
         if ev.kind != CmEventKind::RouteResolved {
             return Err(AttemptError::RouteResolution {
@@ -299,7 +352,7 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let ev = self.wait_for(ep.id.key(), ESTABLISH_TIMEOUT).await?;
+        let ev = self.wait_for(ep.id.key(), establish).await?;
         match ev.kind {
             CmEventKind::Established => match PrivateData::decode(&ev.private_data) {
                 Ok(PrivateData::Accept(a)) if a.conn_id == self.sh.id => {
@@ -321,11 +374,15 @@ impl Worker {
         }
     }
 
-    pub(super) async fn accept_on(
-        &mut self,
-        mut id: CmId,
-        hello: &Hello,
-    ) -> Result<(), AttemptError> {
+    /// Accepts the connect request on `id`, with a bound on ESTABLISHED that stretches while
+    /// it times out (the active side's deadline bounds the whole).
+    pub(super) async fn accept_on(&mut self, id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+        let result = self.accept_once(id, hello).await;
+        self.count_timeouts(&result);
+        result
+    }
+
+    async fn accept_once(&mut self, mut id: CmId, hello: &Hello) -> Result<(), AttemptError> {
         self.forget_released_ids();
         id.migrate(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
@@ -341,7 +398,8 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let ev = self.wait_for(ep.id.key(), ESTABLISH_TIMEOUT).await?;
+        let establish = patient(ESTABLISH_TIMEOUT, self.setup_timeouts, Duration::MAX);
+        let ev = self.wait_for(ep.id.key(), establish).await?;
         if ev.kind != CmEventKind::Established {
             return Err(AttemptError::Accept {
                 kind: ev.kind,
@@ -460,5 +518,19 @@ mod tests {
             .text(),
             "no CM event within 3s"
         );
+    }
+
+    #[test]
+    fn set_up_bounds_double_with_each_timeout_up_to_sixteen_times_within_the_deadline() {
+        let s = Duration::from_secs;
+        let plenty = s(3600);
+        let bounds: Vec<_> = (0..7).map(|n| patient(s(3), n, plenty)).collect();
+        assert_eq!(bounds, [s(3), s(6), s(12), s(24), s(48), s(48), s(48)]);
+        // The connection's deadline caps the stretch, never the base bound.
+        assert_eq!(patient(s(3), 3, s(10)), s(10));
+        assert_eq!(patient(s(3), 3, s(1)), s(3));
+        assert_eq!(patient(s(3), 0, Duration::ZERO), s(3));
+        // No overflow however many timeouts.
+        assert_eq!(patient(s(1), u32::MAX, Duration::MAX), s(16));
     }
 }
