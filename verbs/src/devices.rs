@@ -7,8 +7,9 @@
 //! before an old one with the same GUID can be picked for it. Both must happen promptly,
 //! but on a TCG guest a timer costs CPU all the time: 10 refreshes a second per connection
 //! were most of an idle library process's CPU. The kernel's uevents (a netlink socket,
-//! which needs no privilege to read) say exactly when. Where they cannot be read, the
-//! watcher falls back to a refresh every [`RETRY`].
+//! which needs no privilege to read) say exactly when; where they may not come, a look
+//! every [`LOOK_ANYWAY`] for a vanished device (a stat) bounds the wait. Where no uevent
+//! socket can be opened, the watcher refreshes every [`RETRY`].
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::OnceLock;
@@ -25,6 +26,12 @@ use crate::context::{eviction_pending, refresh_device_list};
 /// it (their owner refreshes once it released them; this is the backstop), and always
 /// when uevents cannot be read.
 const RETRY: Duration = Duration::from_millis(100);
+
+/// How often the watcher looks for a vanished device even when no uevent came (a stat per
+/// cached context, no refresh unless one is gone): the kernel sends the uevents of RDMA
+/// devices only to network namespaces of the initial user namespace, so a process in a
+/// container with a user namespace of its own never gets them.
+const LOOK_ANYWAY: Duration = Duration::from_secs(1);
 
 /// The netlink multicast group of the kernel's own uevents (udev's rebroadcasts are 2).
 const KERNEL_UEVENTS: u32 = 1;
@@ -63,14 +70,14 @@ fn uevent_socket() -> nix::Result<OwnedFd> {
 fn watch(socket: Option<OwnedFd>) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        let pending = eviction_pending();
         let changed = match &socket {
             Some(s) => {
-                let timeout = if pending {
-                    PollTimeout::from(RETRY.as_millis() as u16)
+                let wait = if eviction_pending() {
+                    RETRY
                 } else {
-                    PollTimeout::NONE
+                    LOOK_ANYWAY
                 };
+                let timeout = PollTimeout::from(wait.as_millis() as u16);
                 let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
                 match poll(&mut fds, timeout) {
                     Ok(0) => false,
@@ -88,7 +95,9 @@ fn watch(socket: Option<OwnedFd>) {
                 true
             }
         };
-        if changed || pending {
+        // Looked at after the wait: a device that vanished without a uevent is released
+        // now, not one wait later.
+        if changed || eviction_pending() {
             let _ = refresh_device_list();
         }
     }
