@@ -402,7 +402,7 @@ fn listen_on(chan: &EventChannel, addr: SocketAddr) -> Result<CmId, rdmamig_verb
     Ok(id)
 }
 
-/// `wait` as a poll timeout (a few milliseconds more, so the deadline has passed on waking).
+/// `wait` as a poll timeout (a millisecond more, so the deadline has passed on waking).
 fn poll_timeout(wait: Duration) -> PollTimeout {
     PollTimeout::try_from(wait.as_millis() + 1).unwrap_or(PollTimeout::MAX)
 }

@@ -58,13 +58,13 @@ impl Worker {
         }
     }
 
-    /// The active side opens a lost bridge again, at most every [`BRIDGE_RETRY`].
     /// The active side of a connection with a bridge address has lost its bridge: it tries
     /// again every [`BRIDGE_RETRY`].
     pub(super) fn bridge_reopen_due(&self) -> bool {
         self.bridge.is_none() && self.sh.role == Role::Active && self.sh.opts.bridge.is_some()
     }
 
+    /// The active side opens a lost bridge again, at most every [`BRIDGE_RETRY`].
     pub(super) async fn reopen_bridge(&mut self) {
         let now = Instant::now();
         if !self.bridge_reopen_due() || now < self.next_bridge_attempt {

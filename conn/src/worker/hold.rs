@@ -296,8 +296,9 @@ impl Worker {
             self.start_bridging();
         }
         drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
-                    // A device already gone is released now; one that goes later, by the process's
-                    // device watcher when the kernel says so.
+
+        // A device already gone is released now; one that goes later, by the process's
+        // device watcher when the kernel says so.
         let _ = refresh_device_list();
         tracing::debug!(conn = format_args!("{:016x}", self.sh.id), %why, expected, "link released");
         if !expected {

@@ -296,8 +296,9 @@ impl Worker {
             // Everything that needs prompt action wakes the worker (the application's
             // Notify, the CM channel, the completion channel, the bridge); the tick only
             // drives the coarse deadlines (100 ms granularity, all of them at least 500 ms
-            // long, or 1 s while none is near). Only channels found readable are read: on a TCG guest each read that
-            // would find nothing (EAGAIN) is a system call the round does not need.
+            // long, or 1 s while none is near). Only channels found readable are read: on a
+            // TCG guest each read that would find nothing (EAGAIN) is a system call the
+            // round does not need.
             let ready = self.wait().await;
             self.handle_commands().await;
             if self.phase.is_final() {

@@ -375,7 +375,9 @@ impl Worker {
     }
 
     /// Accepts the connect request on `id`, with a bound on ESTABLISHED that stretches while
-    /// it times out (the active side's deadline bounds the whole).
+    /// it times out across this connection's reconnects (a new connection's first accept
+    /// runs on a worker of its own, with the base bound); the active side's deadline bounds
+    /// the whole.
     pub(super) async fn accept_on(&mut self, id: CmId, hello: &Hello) -> Result<(), AttemptError> {
         let result = self.accept_once(id, hello).await;
         self.count_timeouts(&result);
