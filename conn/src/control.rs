@@ -63,8 +63,16 @@ pub enum ControlError {
     #[error("{0}")]
     Failed(Failure),
     /// The worker took the request but did not answer by the deadline.
-    #[error("the connection did not answer in time")]
-    NoAnswer,
+    #[error(
+        "the connection did not answer in time (it was {state:?}{})",
+        busy.map(|b| format!(", its worker busy {b}")).unwrap_or_default()
+    )]
+    NoAnswer {
+        /// The connection's state when the wait ended.
+        state: ConnectionState,
+        /// What its worker was doing then, if it was blocked in something long.
+        busy: Option<&'static str>,
+    },
     /// The worker had ended (in `state`) before it took the request.
     #[error("connection worker has stopped ({state:?})")]
     WorkerStopped {
@@ -127,6 +135,22 @@ mod tests {
             }
             .to_string(),
             "the link broke during the quiesce (the RDMA device was removed); resources released"
+        );
+        assert_eq!(
+            ControlError::NoAnswer {
+                state: ConnectionState::Established,
+                busy: Some("releasing the link"),
+            }
+            .to_string(),
+            "the connection did not answer in time (it was Established, its worker busy releasing the link)"
+        );
+        assert_eq!(
+            ControlError::NoAnswer {
+                state: ConnectionState::Closed,
+                busy: None,
+            }
+            .to_string(),
+            "the connection did not answer in time (it was Closed)"
         );
     }
 }

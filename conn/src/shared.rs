@@ -79,6 +79,9 @@ pub(crate) struct State {
     pub(crate) qp: Option<u32>,
     /// Why the last link a `hot` quiesce kept was given up (the resume then reconnected).
     pub(crate) fell_back: Option<String>,
+    /// What the worker is doing that keeps it from taking requests (a set-up attempt, the
+    /// release of a link in the kernel), named when a request gets no answer.
+    pub(crate) busy: Option<&'static str>,
 }
 
 pub(crate) enum Command {
@@ -147,6 +150,7 @@ impl ConnShared {
                 failure: None,
                 closed_by_app: false,
                 peer_closed: false,
+                busy: None,
                 local: String::new(),
                 peer: String::new(),
                 stats: ConnStats::default(),
@@ -232,7 +236,13 @@ impl ConnShared {
             // The worker ended (closed or failed) before it took the command: the command
             // was dropped with its queue.
             Err(NoAnswer::Dropped) => self.stopped(),
-            Err(NoAnswer::TimedOut) => Err(ControlError::NoAnswer),
+            Err(NoAnswer::TimedOut) => {
+                let st = self.lock();
+                Err(ControlError::NoAnswer {
+                    state: st.conn_state,
+                    busy: st.busy,
+                })
+            }
         }
     }
 

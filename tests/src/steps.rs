@@ -287,8 +287,16 @@ pub fn finish_clean_flow(
         panic!("{tag}: traffic reports: {e}");
     });
     eprintln!("{tag}: {vm_name}: {vm_report:?}\n{tag}: peer: {peer_report:?}");
-    assert_clean("peer", &peer_report, &vm_report);
-    assert_clean(vm_name, &vm_report, &peer_report);
+    // A report that is not clean comes with the guests' logs (and blocked tasks' stacks).
+    let checked = std::panic::catch_unwind(|| {
+        assert_clean("peer", &peer_report, &vm_report);
+        assert_clean(vm_name, &vm_report, &peer_report);
+    });
+    if let Err(panic) = checked {
+        dump_logs(vm);
+        dump_logs(peer);
+        std::panic::resume_unwind(panic);
+    }
     let problems: Vec<String> = [vm, peer]
         .into_iter()
         .flat_map(|guest| kernel_problems(guest).unwrap_or_else(|e| panic!("{tag}: dmesg: {e}")))

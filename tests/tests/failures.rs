@@ -7,7 +7,8 @@
 //!    (Malformed); the connection carries on;
 //! 2. the active side's NIC is unplugged with no quiesce (the library sees DEVICE_REMOVAL and
 //!    releases the device, so the unplug completes at once), a new NIC is plugged, and the
-//!    connection resumes by itself;
+//!    connection resumes by itself; a second connection, whose serving process is stopped,
+//!    is closed by its application while it reconnects, and the close is answered at once;
 //! 3. the passive side moves coordinated (quiesce, unplug, plug, resume);
 //! 4. the passive side's NIC is unplugged with no quiesce, and a new one plugged;
 //!
@@ -179,12 +180,13 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
     std::thread::sleep(Duration::from_secs(1));
 
     if steps == Steps::Uncoordinated {
+        let stuck = start_stuck(a, b)?;
         // 2. The active side's NIC vanishes without a quiesce.
         let gone = unplug(b, "nic0", Duration::from_secs(10))?;
         let back = plug(b, "nic1")?;
         eprintln!("active side, no quiesce: unplug {gone:.2?}, plug to ACTIVE {back:.2?}");
         assert!(gone < Duration::from_secs(3), "unplug took {gone:?}");
-        std::thread::sleep(Duration::from_secs(3));
+        close_while_reconnecting(a, b, stuck)?;
         passive_side(a)?;
     }
     if steps == Steps::FrozenPeer {
@@ -205,6 +207,54 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
         return Ok(());
     }
     peer_killed(a, b)
+}
+
+/// Starts the `stuck` flow beside `main` and stops its serving process: once the active
+/// side's link breaks, its reconnects reach a listener that never answers, so each waits
+/// out its set-up bound, doubled after every timeout (up to 48 s). Returns when it stopped.
+fn start_stuck(a: &Guest, b: &Guest) -> Result<Instant, Box<dyn std::error::Error>> {
+    let server = format!("{}:{}", a.spec().address(), PORT + 2);
+    let args = "--mode migratable --rate 20 --agent-socket /run/unused.sock --peer-wait-s 120";
+    start_traffic(a, "stuck", &format!("serve --listen {server} {args}"))?;
+    start_traffic(b, "stuck", &format!("connect --to {server} {args}"))?;
+    wait_ready(a, "stuck", 1)?;
+    wait_ready(b, "stuck", 1)?;
+    a.run_ok("kill -STOP $(cat /tmp/stuck.pid)", STEP_TIMEOUT)?;
+    Ok(Instant::now())
+}
+
+/// 2b. The application closes the `stuck` flow's connection while it reconnects to the
+/// listener that never answers: the close is answered at once (a set-up attempt in
+/// progress gives up), not after its bound (a close waits 5 s for the worker's answer,
+/// plus 5 s).
+fn close_while_reconnecting(
+    a: &Guest,
+    b: &Guest,
+    stopped: Instant,
+) -> Result<(), Box<dyn std::error::Error>> {
+    // Timeouts of 3, 6 and 12 s after the new NIC came: the attempt running now waits 24 s.
+    let stretched = Duration::from_secs(30);
+    std::thread::sleep(stretched.saturating_sub(stopped.elapsed()));
+    let interrupted = Instant::now();
+    stop_traffic(b, "stuck")?;
+    let report = collect_report(b, "stuck");
+    let took = interrupted.elapsed();
+    // Its listener goes with it (SIGKILL ends a stopped process), before a's NIC is unplugged.
+    a.run_ok("kill -KILL $(cat /tmp/stuck.pid)", STEP_TIMEOUT)?;
+    let report = report?;
+    eprintln!("close while reconnecting: report after {took:.2?}: {report:?}");
+    assert!(
+        !report
+            .errors
+            .iter()
+            .any(|e| e.contains("did not answer in time")),
+        "the close was not answered while a reconnect attempt ran: {report:?}"
+    );
+    assert!(
+        report.errors.iter().any(|e| e.starts_with("flush:")),
+        "the connection should have been down, its messages unacknowledged: {report:?}"
+    );
+    Ok(())
 }
 
 fn passive_side(a: &Guest) -> Result<(), Box<dyn std::error::Error>> {

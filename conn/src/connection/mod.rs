@@ -336,7 +336,9 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         // The handle is the application's only one (not Clone): dropping it closes the
-        // connection. The registry and the listener hold only Weak references.
+        // connection. The registry and the listener hold only Weak references. Marked
+        // closed first, so that a set-up attempt in progress gives up at once.
+        self.shared.lock().closed_by_app = true;
         let (tx, _rx) = oneshot::channel();
         let _ = self.shared.command(Command::Close {
             deadline: Instant::now() + Duration::from_secs(1),

@@ -295,7 +295,11 @@ impl Worker {
         if link.peer_bridging || !expected {
             self.start_bridging();
         }
-        drop(link); // QP, CQ, comp channel, MRs, PD, cm id.
+        // QP, CQ, comp channel, MRs, PD, cm id. rxe's destroy of a QP may wait in the kernel
+        // for its send path (a failure seen once on the test bed): named if a request waits.
+        self.sh.lock().busy = Some("releasing the link");
+        drop(link);
+        self.sh.lock().busy = None;
 
         // A device already gone is released now; one that goes later, by the process's
         // device watcher when the kernel says so.

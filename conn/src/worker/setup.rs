@@ -113,6 +113,10 @@ pub(super) enum AttemptError {
         /// Its status.
         status: i32,
     },
+    /// The application closed the connection meanwhile: the close is answered at once, a
+    /// set-up step's bound (up to 48 s) would outlast its wait.
+    #[error("the application closed the connection")]
+    Closed,
     /// The runtime could not watch the new QP's completion channel.
     #[error("watching the completion channel")]
     Watch(#[source] std::io::Error),
@@ -232,9 +236,10 @@ impl Worker {
         timeout: Duration,
     ) -> Result<CmEvent, AttemptError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        loop {
+        let mut woken = false;
+        let result = loop {
             if let Some(at) = self.cm_queue.iter().position(|ev| ev.id == id) {
-                return Ok(self.cm_queue.remove(at).expect("found"));
+                break Ok(self.cm_queue.remove(at).expect("found"));
             }
             let bridging = self.bridging && self.bridge.is_some();
             if bridging {
@@ -244,19 +249,31 @@ impl Worker {
             tokio::select! {
                 taken = self.chan.readable() => {
                     if clear(taken) {
-                        self.read_cm_events()?;
+                        if let Err(e) = self.read_cm_events() {
+                            break Err(e.into());
+                        }
                     }
                 }
-                // The application queued something for the bridge.
-                () = self.sh.wake.notified(), if bridging => {}
+                // The application queued something (for the bridge), or closed.
+                () = self.sh.wake.notified() => {
+                    woken = true;
+                    if self.sh.lock().closed_by_app {
+                        break Err(AttemptError::Closed);
+                    }
+                }
                 taken = bridge_ready(bridge) => {
                     clear(taken);
                 }
                 () = tokio::time::sleep_until(deadline) => {
-                    return Err(AttemptError::NoEvent { timeout });
+                    break Err(AttemptError::NoEvent { timeout });
                 }
             }
+        };
+        if woken {
+            // The main loop takes the commands that came meanwhile at once.
+            self.sh.notify_worker();
         }
+        result
     }
 
     /// Drops the queued events before a new id is made: with no link, they are all of ids
@@ -302,7 +319,9 @@ impl Worker {
         resume: bool,
         until: Instant,
     ) -> Result<(), AttemptError> {
+        self.sh.lock().busy = Some(if resume { "reconnecting" } else { "connecting" });
         let result = self.connect_once(resume, until).await;
+        self.sh.lock().busy = None;
         self.count_timeouts(&result);
         result
     }
@@ -379,7 +398,9 @@ impl Worker {
     /// runs on a worker of its own, with the base bound); the active side's deadline bounds
     /// the whole.
     pub(super) async fn accept_on(&mut self, id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+        self.sh.lock().busy = Some("accepting");
         let result = self.accept_once(id, hello).await;
+        self.sh.lock().busy = None;
         self.count_timeouts(&result);
         result
     }
