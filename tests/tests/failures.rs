@@ -232,7 +232,9 @@ fn close_while_reconnecting(
     b: &Guest,
     stopped: Instant,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    // Timeouts of 3, 6 and 12 s after the new NIC came: the attempt running now waits 24 s.
+    // By then the reconnects have timed out several times, each bound doubling from 3 s:
+    // the attempt running outlasts a close's 10 s wait (without the fix: "did not answer
+    // in time ... busy reconnecting" after 15.4 s, in the run by hand).
     let stretched = Duration::from_secs(30);
     std::thread::sleep(stretched.saturating_sub(stopped.elapsed()));
     let interrupted = Instant::now();
