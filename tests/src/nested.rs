@@ -499,7 +499,7 @@ impl Host {
         );
         match out {
             Ok(out) => format!("===== host {} =====\n{}", self.name(), out.output),
-            Err(e) => format!("===== host {}: {e}", self.name()),
+            Err(e) => format!("===== host {}: {}", self.name(), crate::error_chain(&e)),
         }
     }
 }

@@ -284,7 +284,7 @@ pub fn finish_clean_flow(
     let (vm_report, peer_report) = reports.unwrap_or_else(|e| {
         dump_logs(vm);
         dump_logs(peer);
-        panic!("{tag}: traffic reports: {e}");
+        panic!("{tag}: traffic reports: {}", crate::error_chain(e.as_ref()));
     });
     eprintln!("{tag}: {vm_name}: {vm_report:?}\n{tag}: peer: {peer_report:?}");
     // A report that is not clean comes with the guests' logs (and blocked tasks' stacks).
@@ -299,7 +299,10 @@ pub fn finish_clean_flow(
     }
     let problems: Vec<String> = [vm, peer]
         .into_iter()
-        .flat_map(|guest| kernel_problems(guest).unwrap_or_else(|e| panic!("{tag}: dmesg: {e}")))
+        .flat_map(|guest| {
+            kernel_problems(guest)
+                .unwrap_or_else(|e| panic!("{tag}: dmesg: {}", crate::error_chain(e.as_ref())))
+        })
         .collect();
     assert_no_kernel_problems(&problems);
     (vm_report, peer_report)
