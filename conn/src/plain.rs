@@ -1,6 +1,7 @@
 //! The naive baseline: a plain rdma_cm RC connection as applications use today.
 //!
-//! Default-ish settings (retry_cnt 7, rnr_retry 7, librdmacm's ACK timeout), no agent, no
+//! Default-ish settings (retry_cnt 7, rnr_retry 7, librdmacm's ACK timeout; a test may
+//! bound the retries with [`PlainOptions`]), no agent, no
 //! PAUSE, no sequence numbers, no replay. On a failure (DISCONNECTED, DEVICE_REMOVAL, a
 //! completion error) everything is torn down at once (and the device list refreshed, so a
 //! hot-unplug can complete); the client reconnects on its own, retrying until it succeeds;
@@ -74,6 +75,28 @@ enum AttemptError {
     },
 }
 
+/// Settings of a plain endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct PlainOptions {
+    /// Largest message, in bytes.
+    pub max_message: usize,
+    /// QP transport retries (7, the default, is "retry forever" on Soft-RoCE).
+    pub retry_count: u8,
+    /// QP ACK timeout exponent (4.096 us x 2^n); `None` keeps librdmacm's.
+    pub ack_timeout: Option<u8>,
+}
+
+impl PlainOptions {
+    /// What applications commonly use: retry_cnt 7 and librdmacm's ACK timeout.
+    pub fn new(max_message: usize) -> Self {
+        Self {
+            max_message,
+            retry_count: 7,
+            ack_timeout: None,
+        }
+    }
+}
+
 /// Counters of a plain endpoint.
 #[derive(Debug, Clone, Default)]
 pub struct PlainStats {
@@ -91,7 +114,7 @@ struct Shared {
     stop: AtomicBool,
     wake: EventFd,
     stats: Mutex<PlainStats>,
-    max_message: usize,
+    options: PlainOptions,
 }
 
 /// A plain endpoint (client or server side); its thread reconnects / accepts on its own.
@@ -106,16 +129,16 @@ enum Role {
 
 impl PlainEndpoint {
     /// Connects to `peer`, and keeps reconnecting after failures.
-    pub fn connect(peer: SocketAddr, max_message: usize) -> Result<Self, PlainError> {
-        Self::start(Role::Client(peer), max_message)
+    pub fn connect(peer: SocketAddr, options: PlainOptions) -> Result<Self, PlainError> {
+        Self::start(Role::Client(peer), options)
     }
 
     /// Listens on `addr`, always using the newest accepted connection.
-    pub fn serve(addr: SocketAddr, max_message: usize) -> Result<Self, PlainError> {
-        Self::start(Role::Server(addr), max_message)
+    pub fn serve(addr: SocketAddr, options: PlainOptions) -> Result<Self, PlainError> {
+        Self::start(Role::Server(addr), options)
     }
 
-    fn start(role: Role, max_message: usize) -> Result<Self, PlainError> {
+    fn start(role: Role, options: PlainOptions) -> Result<Self, PlainError> {
         let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK)
             .map_err(|e| PlainError::Spawn(std::io::Error::from_raw_os_error(e as i32)))?;
         let shared = Arc::new(Shared {
@@ -126,7 +149,7 @@ impl PlainEndpoint {
             stop: AtomicBool::new(false),
             wake,
             stats: Mutex::new(PlainStats::default()),
-            max_message,
+            options,
         });
         let chan = EventChannel::new().map_err(PlainError::Start)?;
         let listen = match role {
@@ -144,7 +167,7 @@ impl PlainEndpoint {
                     pending: None,
                     listen,
                     chan,
-                    slot: max_message,
+                    slot: options.max_message,
                     next_try: Instant::now(),
                     free: Vec::new(),
                 };
@@ -161,10 +184,10 @@ impl PlainEndpoint {
 
     /// Queues `msg` on the current connection; dropped (with an error) if there is none.
     pub fn send(&self, msg: &[u8]) -> Result<(), PlainError> {
-        if msg.len() > self.shared.max_message {
+        if msg.len() > self.shared.options.max_message {
             return Err(PlainError::TooLarge {
                 len: msg.len(),
-                max: self.shared.max_message,
+                max: self.shared.options.max_message,
             });
         }
         if !self.is_connected() {
@@ -317,12 +340,15 @@ impl PlainThread {
 
     fn connect(&mut self, peer: SocketAddr) -> Result<Endpoint, AttemptError> {
         let id = CmId::create(&self.chan)?;
+        if let Some(timeout) = self.sh.options.ack_timeout {
+            id.set_ack_timeout(timeout)?;
+        }
         id.resolve_addr(peer, STEP_TIMEOUT)?;
         self.wait(&id, CmEventKind::AddrResolved)?;
         id.resolve_route(STEP_TIMEOUT)?;
         self.wait(&id, CmEventKind::RouteResolved)?;
         let ep = build_endpoint(id, DEPTH, self.slot)?;
-        ep.id.connect(&[], 7, 7)?;
+        ep.id.connect(&[], self.sh.options.retry_count, 7)?;
         self.wait(&ep.id, CmEventKind::Established)?;
         Ok(ep)
     }
@@ -363,9 +389,14 @@ impl PlainThread {
             match ev.kind {
                 CmEventKind::ConnectRequest => {
                     if let Some(id) = ev.new_id.take() {
-                        match build_endpoint(id, DEPTH, self.slot) {
+                        let options = self.sh.options;
+                        let id = match options.ack_timeout {
+                            Some(timeout) => id.set_ack_timeout(timeout).map(|()| id),
+                            None => Ok(id),
+                        };
+                        match id.and_then(|id| build_endpoint(id, DEPTH, self.slot)) {
                             Ok(ep) => {
-                                if ep.id.accept(&[], 7, 7).is_ok() {
+                                if ep.id.accept(&[], options.retry_count, 7).is_ok() {
                                     self.pending = Some(ep);
                                 }
                             }

@@ -142,6 +142,16 @@ pub enum GuestError {
         /// QEMU's last migration status (and its error, if it gave one).
         status: String,
     },
+    /// A destination held on arrival saw no migrated VM arrive.
+    #[error("no migrated VM arrived in guest {guest} within {bound:?} (its status: {status})")]
+    NeverArrived {
+        /// The guest's name.
+        guest: String,
+        /// How long it waited.
+        bound: Duration,
+        /// QEMU's last query-status answer.
+        status: String,
+    },
     /// QMP could not be reached.
     #[error("QMP of guest {guest}")]
     Qmp {
@@ -196,6 +206,11 @@ pub struct GuestSpec {
     /// other threads on the other (TESTBED.md: an L2 reached /init in ~110 s that way, and
     /// in ~400 s with one vCPU).
     pub cpus: u32,
+    /// A migration destination keeps the arrived VM paused (QEMU `-S`) until
+    /// [`Arrival::hold`] resumes it: a VM's pause as long as a test needs, as a large
+    /// device state would make it. Adds a second QMP monitor for the test bed, since the
+    /// migrator holds the first during a move.
+    pub paused_on_arrival: bool,
 }
 
 /// The QEMU device model of a guest's RDMA NIC (Soft-RoCE runs on either).
@@ -501,6 +516,15 @@ impl Guest {
     /// A path for a migration stream socket (`unix:<path>`) with this guest as the destination.
     pub fn migration_socket_path(&self) -> PathBuf {
         self.dir().join("mig.sock")
+    }
+
+    /// On a destination [`GuestSpec::paused_on_arrival`]: what holds its arrived VM, for
+    /// a thread of the test's own while the move runs.
+    pub fn arrival(&self) -> Arrival {
+        Arrival {
+            guest: self.spec.name.clone(),
+            monitor: self.dir().join(BED_QMP_SOCKET),
+        }
     }
 
     /// Connects a new QMP session (capabilities negotiated). Drop it when done.
@@ -833,8 +857,58 @@ fn qemu_args(spec: &GuestSpec, image: &Image, dir: &Path, incoming: bool) -> Vec
     if incoming {
         args.extend(["-incoming".into(), "defer".into()]);
     }
+    if spec.paused_on_arrival {
+        args.extend([
+            "-S".into(),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", path(BED_QMP_SOCKET)),
+        ]);
+    }
     args
 }
+
+/// The arrival of a migrated VM at a destination [`GuestSpec::paused_on_arrival`].
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    guest: String,
+    monitor: PathBuf,
+}
+
+impl Arrival {
+    /// Waits (at most `bound`) until the migrated VM has arrived and stays paused, keeps it
+    /// paused for `hold`, then runs it. Returns when it arrived and when it was resumed.
+    /// Polls the test bed's own monitor every 5 ms, so the arrival is seen within a few ms.
+    pub fn hold(&self, hold: Duration, bound: Duration) -> Result<(Instant, Instant), GuestError> {
+        let qmp_error = |source| GuestError::Qmp {
+            guest: self.guest.clone(),
+            source,
+        };
+        let mut qmp = Qmp::connect(&self.monitor, SOCKET_TIMEOUT).map_err(qmp_error)?;
+        let end = Instant::now() + bound;
+        let arrived = loop {
+            let status = qmp
+                .execute("query-status", Value::Null)
+                .map_err(qmp_error)?;
+            if status["status"] == "paused" {
+                break Instant::now();
+            }
+            if Instant::now() >= end {
+                return Err(GuestError::NeverArrived {
+                    guest: self.guest.clone(),
+                    bound,
+                    status: status.to_string(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        std::thread::sleep(hold);
+        qmp.execute("cont", Value::Null).map_err(qmp_error)?;
+        Ok((arrived, Instant::now()))
+    }
+}
+
+/// The second QMP monitor of a guest [`GuestSpec::paused_on_arrival`], the test bed's own.
+const BED_QMP_SOCKET: &str = "bed-qmp.sock";
 
 /// The QEMU id of a guest's vsock device ([`GuestSpec::vsock_cid`]).
 pub const VSOCK_DEVICE: &str = "vsock0";

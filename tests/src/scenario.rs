@@ -119,6 +119,13 @@ pub struct ScenarioConfig {
     /// after it: across the switchover the path is gone, so a QP that `hot` kept cannot
     /// carry its probe, and the connection must fall back to a reconnect.
     pub dst_path_back_after: Option<Duration>,
+    /// The destination keeps the arrived VM paused this long before it runs it: a VM's
+    /// pause longer than any peer's retry budget, as a large device state would make it.
+    pub hold_arrival: Option<Duration>,
+    /// Every traffic connection's QP retry budget: ACK timeout exponent and transport
+    /// retries (`--ack-timeout`, `--retry-count`). Without it each kind keeps its defaults
+    /// (a plain QP retries forever on Soft-RoCE).
+    pub retry_budget: Option<(u8, u8)>,
 }
 
 impl ScenarioConfig {
@@ -144,6 +151,8 @@ impl ScenarioConfig {
             connect_timeout_s: 10,
             flush_timeout_s: 3,
             dst_path_back_after: None,
+            hold_arrival: None,
+            retry_budget: None,
         }
     }
 }
@@ -163,6 +172,9 @@ pub struct ScenarioOutcome {
     pub peer: TrafficReport,
     /// The traffic report of the moving VM.
     pub mover: TrafficReport,
+    /// With [`ScenarioConfig::hold_arrival`]: how long the arrived VM was kept paused,
+    /// from the destination's first look that saw it arrived to its resume.
+    pub held: Option<Duration>,
     /// What `rdmamig migrate` printed for the peer VM's own move, when `move_peer` was set.
     pub peer_move: Option<String>,
     /// The peer's clock minus the host's, in ms (guests set their clock from the RTC at
@@ -430,6 +442,7 @@ pub fn run(
         tag,
         steps::GuestOptions {
             dst_nic: config.strategy.nic_migrates(),
+            dst_paused_on_arrival: config.hold_arrival.is_some(),
             ..Default::default()
         },
     )
@@ -451,6 +464,11 @@ pub fn run(
             config.connect_timeout_s,
             config.flush_timeout_s
         );
+        if let Some((ack_timeout, retry_count)) = config.retry_budget {
+            common.push_str(&format!(
+                " --ack-timeout {ack_timeout} --retry-count {retry_count}"
+            ));
+        }
         if config.strategy == Strategy::Bridge {
             // Both ends name the peer's bridge: the server listens there, the client
             // connects to it.
@@ -526,6 +544,10 @@ pub fn run(
         }
         None => None,
     };
+    let hold = config.hold_arrival.map(|hold| {
+        let arrival = dst.arrival();
+        std::thread::spawn(move || arrival.hold(hold, MOVE_TIMEOUT))
+    });
     let (first, ended, peer_move) = match &peer_dst {
         Some(peer_dst) if config.overlap => {
             let (first, ended, second) = std::thread::scope(|s| {
@@ -563,6 +585,17 @@ pub fn run(
             eprintln!("rdmamig-testbed {tag}: putting the destination's NIC back: {e}");
         }
     }
+    let held = match hold.map(|h| h.join().expect("the hold's thread")) {
+        Some(Ok((arrived, resumed))) => Some(resumed - arrived),
+        Some(Err(source)) => {
+            return Err(ScenarioError::Guest {
+                guest: dst.name().into(),
+                what: "holding the arrived VM",
+                source: Box::new(source),
+            })
+        }
+        None => None,
+    };
     let move_output = succeeded(&src, first?)?;
     let peer_move = peer_move.map(|out| succeeded(&peer, out)).transpose()?;
     std::thread::sleep(config.after);
@@ -602,6 +635,7 @@ pub fn run(
         move_output,
         move_report,
         move_window_unix_ms: (started, ended),
+        held,
         peer_move,
         peer: peer_report,
         mover,

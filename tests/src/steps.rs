@@ -374,6 +374,9 @@ pub struct GuestOptions {
     /// The moving VM (and its destination) has a vsock device with this CID: the agent's
     /// channel of a Cloud Hypervisor VM ([`crate::ch_facade`]).
     pub vsock_cid: Option<u32>,
+    /// The destination keeps the arrived VM paused until the test runs it
+    /// ([`crate::guest::Arrival::hold`]).
+    pub dst_paused_on_arrival: bool,
 }
 
 /// What a move needs on the test bed: a peer, the VM that moves, and its `-incoming`
@@ -404,6 +407,7 @@ impl MoveGuests {
         src_spec.vsock_cid = options.vsock_cid;
         let mut dst_spec = bed.incoming_spec(&src_spec, &format!("{prefix}-dst"))?;
         dst_spec.with_nic = options.dst_nic;
+        dst_spec.paused_on_arrival = options.dst_paused_on_arrival;
         let (peer, src) = std::thread::scope(|s| {
             let peer = s.spawn(|| bed.start_guest(peer_spec));
             let src = s.spawn(|| bed.start_guest(src_spec));

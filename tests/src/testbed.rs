@@ -310,6 +310,7 @@ impl Testbed {
             with_vsock: true,
             iommu: false,
             cpus: 1,
+            paused_on_arrival: false,
         })
     }
 

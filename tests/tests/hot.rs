@@ -15,6 +15,10 @@
 //! one run of eight (the move then says so as a forced path, and nothing is lost; but
 //! these tests are about what comes after the pause).
 //!
+//! The last test gives every QP a bounded retry budget and keeps the arrived VM paused
+//! longer than it: the same migration uncoordinated (plain rdma_cm connections, which
+//! nothing pauses) breaks its connection, and `hot`'s loses nothing.
+//!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use std::time::Duration;
@@ -138,5 +142,72 @@ fn a_qp_that_does_not_survive_falls_back_to_a_reconnect_and_loses_nothing() {
         why.contains("transport retry counter exceeded")
             || why.contains("the probe on the kept QP"),
         "{resume:#?}"
+    );
+}
+
+/// The retry budget of the last test: ACK timeout 2^18 x 4.096 us (~1.07 s) and 2 retries,
+/// so a QP whose peer stays silent for about 3.2 s goes to error; Soft-RoCE also spends a
+/// retry on each sequence-error NAK, which the go-back-N resend after a silence draws.
+/// Measured with it (one run each): the uncoordinated QP survived the migration with no
+/// hold (peer's gap 0.7 s) and broke with a 1 s hold. Ordinary stalls leave it alone.
+const BUDGET: (u8, u8) = (18, 2);
+/// How long the arrived VM stays paused: beyond what the budget's timeouts alone allow.
+const HOLD: Duration = Duration::from_secs(4);
+
+/// With a bounded retry budget and a VM pause longer than it, the uncoordinated migration
+/// with the NIC attached breaks the peer's QP (transport retries exhausted: the peer kept
+/// sending into the stopped VM), and `hot`, whose connections stopped sending at the
+/// switchover, keeps its QP and loses nothing.
+#[test]
+fn a_pause_longer_than_the_retry_budget_breaks_an_uncoordinated_qp_but_not_hot() {
+    let held = |strategy| ScenarioConfig {
+        hold_arrival: Some(HOLD),
+        retry_budget: Some(BUDGET),
+        ..ScenarioConfig {
+            rate: RATE,
+            ..ScenarioConfig::new(strategy)
+        }
+    };
+
+    let bed = Testbed::new("hotbud").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let attached = scenario::run(&bed, &daemon, &held(Strategy::Attached))
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    eprintln!("{}\n{}", attached.move_output, scenario::render(&attached));
+    let held_for = attached.held.expect("the arrival was held");
+    assert!(held_for >= HOLD, "held only {held_for:?}");
+    let retries_exhausted = |errors: &[String]| {
+        errors
+            .iter()
+            .any(|e| e.contains("transport retry counter exceeded"))
+    };
+    assert!(
+        retries_exhausted(&attached.peer.errors),
+        "the uncoordinated peer's QP survived a {held_for:?} pause with budget {BUDGET:?}: \
+         peer {:?}, moving VM {:?}",
+        attached.peer,
+        attached.mover
+    );
+    drop(daemon);
+    drop(bed);
+
+    let o = run_clean("hotbud2", &held(Strategy::Hot));
+    let held_for = o.held.expect("the arrival was held");
+    assert!(held_for >= HOLD, "held only {held_for:?}");
+    for (report, name) in [(&o.peer, "peer"), (&o.mover, "moving VM")] {
+        assert!(report.received > 0, "{name} received nothing: {report:?}");
+        assert_eq!(
+            report.connections_established, 1,
+            "the {name}'s connection reconnected: {report:?}"
+        );
+        assert_eq!(report.replayed, 0, "{name}: {report:?}");
+    }
+    let report = o.move_report.as_ref().expect("the move's report");
+    assert!(report.ok, "{report:#?}");
+    eprintln!(
+        "hot with budget {BUDGET:?}, VM held {held_for:?}: uncoordinated peer lost {} and \
+         the moving VM {} (peer's largest gap {:.0} ms); hot lost nothing (peer's largest \
+         gap {:.0} ms)",
+        attached.peer.lost, attached.mover.lost, attached.peer.max_gap_ms, o.peer.max_gap_ms
     );
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
+use rdmamig_conn::plain::PlainOptions;
 use rdmamig_conn::{error_chain, ConnectOptions};
 use rdmamig_guest::traffic::{self, Mode, OneSidedConfig, Side, TrafficConfig};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
@@ -194,9 +195,15 @@ struct Common {
     /// Seconds a migratable connection waits for a moved or lost peer before failing.
     #[arg(long, default_value_t = 60)]
     peer_wait_s: u64,
-    /// QP ACK timeout exponent (4.096 us x 2^n) of migratable connections.
-    #[arg(long, default_value_t = 16)]
-    ack_timeout: u8,
+    /// QP ACK timeout exponent (4.096 us x 2^n): 16 for migratable connections unless
+    /// given, librdmacm's own for plain ones.
+    #[arg(long)]
+    ack_timeout: Option<u8>,
+    /// QP transport retries before the QP fails (0-7; Soft-RoCE retries forever at 7): 6
+    /// for migratable connections unless given, 7 for plain ones. With --ack-timeout, a
+    /// peer's silence longer than about (retries + 1) timeouts breaks the connection.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=7))]
+    retry_count: Option<u8>,
     /// Seconds a migratable connection keeps trying to connect (a VM nested in a host
     /// needs far more than the default).
     #[arg(long, default_value_t = 10)]
@@ -326,6 +333,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         None => c.size.max(traffic::MIN_SIZE),
     };
     let max_message = size.max(one_sided.map_or(0, |o| o.region_size));
+    let defaults = ConnectOptions::default();
     let cfg = TrafficConfig {
         side,
         mode: c.mode,
@@ -339,11 +347,17 @@ fn run_traffic(side: Side, c: Common) -> i32 {
         ready_file: c.ready_file,
         conn: ConnectOptions {
             peer_wait: Duration::from_secs(c.peer_wait_s),
-            ack_timeout: c.ack_timeout,
+            ack_timeout: c.ack_timeout.unwrap_or(defaults.ack_timeout),
+            retry_count: c.retry_count.unwrap_or(defaults.retry_count),
             connect_timeout: Duration::from_secs(c.connect_timeout_s),
             max_message,
             bridge: c.bridge,
-            ..ConnectOptions::default()
+            ..defaults
+        },
+        plain: PlainOptions {
+            retry_count: c.retry_count.unwrap_or(7),
+            ack_timeout: c.ack_timeout,
+            ..PlainOptions::new(size)
         },
         one_sided,
         progress_file: c.progress_file,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use thiserror::Error;
 
-use rdmamig_conn::plain::{PlainEndpoint, PlainError};
+use rdmamig_conn::plain::{PlainEndpoint, PlainError, PlainOptions};
 use rdmamig_conn::{
     Access, ConnError, ConnectOptions, Connection, Exposed, Listener, RemoteBuffer,
 };
@@ -87,6 +87,8 @@ pub struct TrafficConfig {
     pub ready_file: Option<PathBuf>,
     /// Options of migratable connections.
     pub conn: ConnectOptions,
+    /// Options of a plain connection.
+    pub plain: PlainOptions,
     /// One-sided mode: RDMA WRITE into the peer's exposed buffer before every message.
     pub one_sided: Option<OneSidedConfig>,
     /// Rewritten a few times a second with the run's counters so far ([`Progress`]).
@@ -549,8 +551,8 @@ fn establish(cfg: &TrafficConfig, stop: &AtomicBool) -> Result<Vec<Endpoint>, Tr
         (Mode::Plain, _) if n > 1 => Err(TrafficError::PlainIsSingle),
         (Mode::Plain, side) => {
             let p = match side {
-                Side::Connect(peer) => PlainEndpoint::connect(peer, cfg.size.max(MIN_SIZE)),
-                Side::Serve(addr) => PlainEndpoint::serve(addr, cfg.size.max(MIN_SIZE)),
+                Side::Connect(peer) => PlainEndpoint::connect(peer, cfg.plain),
+                Side::Serve(addr) => PlainEndpoint::serve(addr, cfg.plain),
             }
             .map_err(TrafficError::Plain)?;
             while !p.is_connected() {
