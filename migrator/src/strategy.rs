@@ -8,8 +8,9 @@
 //! - the source's function (`--source-function`), from sysfs: an emulated NIC migrates as
 //!   the VMM's device model; a VF migrates only on a VFIO variant driver that implements
 //!   migration (mlx5_vfio_pci, ...), never on plain vfio-pci;
-//! - whether the destination VMM has the device (a `hot` move plugs nothing: the
-//!   destination must have been started with it).
+//! - whether the destination VMM has the device (a `hot` move plugs nothing: a QEMU
+//!   destination must have been started with it), or is handed a VF from the destination's
+//!   pool with its receive (Cloud Hypervisor with `--from-pool`).
 //!
 //! Never by opening the function's VFIO group: the source VMM holds it, and the kernel
 //! refuses a second opener.
@@ -18,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::backends::Backends;
-use crate::plan::{MigrationBy, MovePlan, Strategy};
+use crate::plan::{Endpoint, MigrationBy, MovePlan, Strategy};
 use crate::pool::{Attachment, Pool};
 use crate::vfio::Sysfs;
 use rdmamig_proto::text::error_chain;
@@ -119,9 +120,22 @@ pub struct Evidence {
     pub blockers: Result<Vec<String>, String>,
     /// The source's function (`--source-function`) and what it is.
     pub function: Option<(String, FunctionSupport)>,
-    /// Whether the destination VMM has the device to keep (`--detach`); `None` when it was
-    /// not asked (another migrator's destination, or a workflow's).
-    pub destination_has_device: Option<bool>,
+    /// Where the destination's device comes from.
+    pub destination: DestinationDevice,
+}
+
+/// Where the device of a `hot` move's destination comes from: a `hot` move plugs nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DestinationDevice {
+    /// The destination VMM was started with the device (`--detach`'s id).
+    Has,
+    /// The destination VMM has no such device.
+    Lacks,
+    /// The destination's pool hands the receiving VMM a VF with its receive (Cloud
+    /// Hypervisor's `vfio_fds`, with `--from-pool`).
+    HandedOver,
+    /// Nobody asked (another migrator's destination, or a workflow's).
+    NotAsked,
 }
 
 impl Evidence {
@@ -140,7 +154,7 @@ impl Evidence {
                 return Some(format!("function {name} {why}"));
             }
         }
-        if self.destination_has_device == Some(false) {
+        if self.destination == DestinationDevice::Lacks {
             return Some(format!(
                 "the destination VMM has no device {device}: start it with the same device, \
                  which a hot move migrates instead of plugging"
@@ -165,7 +179,7 @@ impl Evidence {
                  driver says the device can move with the VM"
             ));
         }
-        if self.destination_has_device.is_none() {
+        if self.destination == DestinationDevice::NotAsked {
             return Some(
                 "the destination VMM was not asked whether it has the device (another \
                  migrator's, or a workflow's): ask for --strategy hot to move it anyway"
@@ -205,8 +219,12 @@ pub fn choose(asked: Strategy, device: &str, evidence: &Evidence) -> Result<Choi
                 None => Choice {
                     strategy: Strategy::Hot,
                     reason: format!(
-                        "auto picked hot: nothing blocks the migration of {device}, and the \
-                     destination VMM has it"
+                        "auto picked hot: nothing blocks the migration of {device}, and {}",
+                        match evidence.destination {
+                            DestinationDevice::HandedOver =>
+                                "the destination's pool hands the receiving VMM a VF for it",
+                            _ => "the destination VMM has it",
+                        }
                     ),
                 },
             },
@@ -231,17 +249,25 @@ pub async fn gather(plan: &MovePlan, backends: &dyn Backends, pool: &Pool) -> Ev
         .destination
         .as_ref()
         .filter(|_| plan.destination_migrator.is_none() && plan.migration == MigrationBy::Migrator);
-    let destination_has_device = match local_destination {
+    let handed_over = plan.from_pool
+        && plan.migration == MigrationBy::Migrator
+        && matches!(plan.destination, Some(Endpoint::CloudHypervisor { .. }));
+    let destination = match local_destination {
+        _ if handed_over => DestinationDevice::HandedOver,
         Some(endpoint) => match backends.connect(endpoint).await {
-            Ok(vmm) => vmm.has_device(&plan.detach).await.ok(),
-            Err(_) => None,
+            Ok(vmm) => match vmm.has_device(&plan.detach).await {
+                Ok(true) => DestinationDevice::Has,
+                Ok(false) => DestinationDevice::Lacks,
+                Err(_) => DestinationDevice::NotAsked,
+            },
+            Err(_) => DestinationDevice::NotAsked,
         },
-        None => None,
+        None => DestinationDevice::NotAsked,
     };
     Evidence {
         blockers,
         function,
-        destination_has_device,
+        destination,
     }
 }
 
@@ -275,7 +301,7 @@ mod tests {
         Evidence {
             blockers: Ok(blockers.iter().map(|b| b.to_string()).collect()),
             function: function.map(|f| ("vf0".to_string(), f)),
-            destination_has_device: Some(true),
+            destination: DestinationDevice::Has,
         }
     }
 
@@ -344,7 +370,7 @@ mod tests {
         let silent = Evidence {
             blockers: Err("Cloud Hypervisor cannot tell".into()),
             function: None,
-            destination_has_device: Some(true),
+            destination: DestinationDevice::Has,
         };
         let auto = choose(Strategy::Auto, "rdma0", &silent).unwrap();
         assert_eq!(auto.strategy, Strategy::Reconnect);
@@ -369,7 +395,7 @@ mod tests {
         );
         // The destination not asked (another migrator's): auto stays with reconnect.
         let remote = Evidence {
-            destination_has_device: None,
+            destination: DestinationDevice::NotAsked,
             ..evidence(&[], None)
         };
         let auto = choose(Strategy::Auto, "rdma0", &remote).unwrap();
@@ -377,13 +403,37 @@ mod tests {
         assert!(auto.reason.contains("not asked"), "{auto:?}");
         // The destination without the device: refused.
         let missing = Evidence {
-            destination_has_device: Some(false),
+            destination: DestinationDevice::Lacks,
             ..evidence(&[], None)
         };
         let refused = choose(Strategy::Hot, "rdma0", &missing)
             .unwrap_err()
             .to_string();
         assert!(refused.contains("has no device rdma0"), "{refused}");
+    }
+
+    #[test]
+    fn auto_counts_a_vf_handed_to_the_receiving_vmm_as_the_destinations_device() {
+        // Cloud Hypervisor: no blockers to ask, the source's VF on a migration driver, and
+        // the destination's pool handing the receiver a VF.
+        let handed = Evidence {
+            blockers: Err("Cloud Hypervisor cannot tell".into()),
+            function: Some(("vf0".into(), vf(Some("mlx5_vfio_pci")))),
+            destination: DestinationDevice::HandedOver,
+        };
+        let auto = choose(Strategy::Auto, "rdma0", &handed).unwrap();
+        assert_eq!(auto.strategy, Strategy::Hot, "{auto:?}");
+        assert!(
+            auto.reason.contains("hands the receiving VMM a VF"),
+            "{auto:?}"
+        );
+        // The hand-over says nothing of the source: a plain vfio-pci VF still refuses.
+        let plain = Evidence {
+            function: Some(("vf0".into(), vf(Some("vfio-pci")))),
+            ..handed
+        };
+        let auto = choose(Strategy::Auto, "rdma0", &plain).unwrap();
+        assert_eq!(auto.strategy, Strategy::Reconnect, "{auto:?}");
     }
 
     #[test]

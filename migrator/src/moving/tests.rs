@@ -1069,6 +1069,20 @@ async fn a_hot_move_to_cloud_hypervisor_hands_a_reserved_vf_to_the_receiving_vmm
         log_file: None,
         tls_dir: None,
     });
+    // `auto` counts the hand-over as the destination's device (the source's VMM says
+    // nothing blocks), asking the receiving VMM nothing.
+    let auto = MovePlan {
+        strategy: Strategy::Auto,
+        ..asked.clone()
+    };
+    let choice = crate::strategy::choose_for(&auto, &FakeBackends(bed.host.clone()), &bed.pool)
+        .await
+        .unwrap();
+    assert_eq!(choice.strategy, Strategy::Hot, "{choice:?}");
+    assert!(
+        choice.reason.contains("hands the receiving VMM a VF"),
+        "{choice:?}"
+    );
     let report = bed.run(asked).await;
     assert!(report.ok, "{report:#?}");
     let details = |phase: Phase| {
