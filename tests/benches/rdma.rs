@@ -12,9 +12,12 @@
 //!    beside the VMM's reported downtime and the VM's pause.
 //! 3. Preload cost: the same unmodified programs (`ib_send_bw`, `ibv_rc_pingpong`) with and
 //!    without `rdmamig-run`, interleaved, medians compared (docs/preload.md).
+//! 4. Scale: `reconnect` moves with 1, 16 and 64 connections (16 per process), their
+//!    quiesce and resume against the one-connection move's (the goal: at most 3x).
 //!
 //! Run it with `cargo bench -p rdmamig-testbed --bench rdma` (root; scripts/setup.sh first
-//! builds the guest binaries); `-- overhead`, `-- switching` or `-- preload` runs only that part.
+//! builds the guest binaries); `-- overhead`, `-- switching`, `-- preload` or `-- scale` runs
+//! only that part.
 //! docs/benchmarks.md records the results.
 
 use std::time::Duration;
@@ -45,7 +48,7 @@ fn main() {
 }
 
 /// The parts of the benchmark.
-const PARTS: [&str; 3] = ["overhead", "switching", "preload"];
+const PARTS: [&str; 4] = ["overhead", "switching", "preload", "scale"];
 
 /// The parts named on the command line (cargo passes its own `--bench` too), all by default.
 fn parts() -> Result<Vec<String>, String> {
@@ -81,11 +84,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let client = bed.start_guest(bed.guest_spec("pcli")?)?;
         println!("\n{}", measure_preload(&server, &client)?);
     }
+    let daemon = Daemon::start(bed.dir())?;
+    if parts.iter().any(|p| p == "scale") {
+        println!("\n== scale: reconnect moves with 1, 16 and 64 connections");
+        println!("\n{}", measure_scale(&bed, &daemon)?);
+    }
     if !parts.iter().any(|p| p == "switching") {
         return Ok(());
     }
     println!("\n== switching time: one move with each strategy");
-    let daemon = Daemon::start(bed.dir())?;
     let mut outcomes = Vec::new();
     for strategy in [
         Strategy::Reconnect,
@@ -622,4 +629,119 @@ fn render_hot(hot: &ScenarioOutcome, attached: &ScenarioOutcome) -> String {
         verdict(lost(hot) == 0),
         verdict(ratio < 1.0),
     )
+}
+
+/// Connections per traffic process in the scale part.
+const SCALE_PER_PROCESS: u32 = 16;
+/// The scale part's moves, as (traffic processes, connections each).
+const SCALE_MOVES: [(u32, u32); 3] = [(1, 1), (1, SCALE_PER_PROCESS), (4, SCALE_PER_PROCESS)];
+
+/// A phase of one scale move: how long it took, and how much of that the guest's agent
+/// spent (its `agent_ms`), ms.
+#[derive(Clone, Copy)]
+struct Took {
+    ms: u64,
+    agent_ms: Option<u64>,
+}
+
+impl std::fmt::Display for Took {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.agent_ms {
+            Some(agent) => write!(f, "{} ({agent})", self.ms),
+            None => write!(f, "{}", self.ms),
+        }
+    }
+}
+
+/// One scale move's figures.
+struct ScaleRow {
+    connections: u32,
+    quiesce: Took,
+    detach: Took,
+    resume: Took,
+    lost: u64,
+}
+
+/// Moves the VM with `reconnect` once per size of [`SCALE_MOVES`], with traffic on every
+/// connection, and renders each move's quiesce, detach and resume beside the
+/// one-connection move's.
+fn measure_scale(bed: &Testbed, daemon: &Daemon) -> Result<String, Box<dyn std::error::Error>> {
+    use rdmamig_migrator::machine::Phase;
+    let mut rows = Vec::new();
+    for (processes, connections) in SCALE_MOVES {
+        let config = ScenarioConfig {
+            processes,
+            connections,
+            // As tests/tests/many.rs: 2 messages/s per connection keeps 64 connections'
+            // traffic within the guests' one emulated CPU; deadlines far above the figures.
+            rate: 2,
+            deadlines: [
+                "prepare=30000",
+                "quiesce=60000",
+                "detach=90000",
+                "resume=600000",
+            ]
+            .map(String::from)
+            .to_vec(),
+            peer_wait_s: 900,
+            connect_timeout_s: 60,
+            flush_timeout_s: 120,
+            ..ScenarioConfig::new(Strategy::Reconnect)
+        };
+        let outcome = scenario::run(bed, daemon, &config)?;
+        let total = processes * connections;
+        println!(
+            "\n== the move with {total} connections\n{}",
+            outcome.move_output.trim_end()
+        );
+        let report = outcome
+            .move_report
+            .as_ref()
+            .ok_or("the move wrote no report")?;
+        let took = |phase: Phase| {
+            report
+                .timeline
+                .phases
+                .iter()
+                .find(|r| r.phase == phase)
+                .map(|r| Took {
+                    ms: r.duration_ms,
+                    agent_ms: r.details.get("agent_ms").and_then(Value::as_u64),
+                })
+                .ok_or_else(|| format!("the {total}-connection move has no {phase} phase"))
+        };
+        rows.push(ScaleRow {
+            connections: total,
+            quiesce: took(Phase::Quiesce)?,
+            detach: took(Phase::Detach)?,
+            resume: took(Phase::Resume)?,
+            lost: outcome.peer.lost + outcome.mover.lost,
+        });
+    }
+    let one = &rows[0];
+    let ratio = |took: Took, base: Took| took.ms as f64 / base.ms.max(1) as f64;
+    let mut out = String::from(
+        "| connections | quiesce ms (agent) | detach ms | resume ms (agent) | quiesce / 1 | resume / 1 | lost |\n\
+         |------------:|-------------------:|----------:|------------------:|------------:|-----------:|-----:|\n",
+    );
+    for row in &rows {
+        out.push_str(&format!(
+            "| {:>11} | {:>18} | {:>9} | {:>17} | {:>11.1} | {:>10.1} | {:>4} |\n",
+            row.connections,
+            row.quiesce.to_string(),
+            row.detach.to_string(),
+            row.resume.to_string(),
+            ratio(row.quiesce, one.quiesce),
+            ratio(row.resume, one.resume),
+            row.lost,
+        ));
+    }
+    let most = rows.last().expect("a scale move");
+    out.push_str(&format!(
+        "{} connections: quiesce within 3x of one connection's: {}; resume: {}\n",
+        most.connections,
+        verdict(ratio(most.quiesce, one.quiesce) <= 3.0),
+        verdict(ratio(most.resume, one.resume) <= 3.0),
+    ));
+    Ok(out)
 }
