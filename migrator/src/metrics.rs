@@ -46,15 +46,11 @@ impl Metrics {
         if report.final_phase == Phase::Done {
             let start = report
                 .timeline
-                .phases
-                .iter()
-                .find(|p| p.phase == Phase::Detach)
+                .phase(Phase::Detach)
                 .map(|p| p.started_unix_ms);
             let end = report
                 .timeline
-                .phases
-                .iter()
-                .find(|p| p.phase == Phase::Resume)
+                .phase(Phase::Resume)
                 .map(|p| p.ended_unix_ms);
             if let (Some(start), Some(end)) = (start, end) {
                 self.switching_ms.0 += end.saturating_sub(start);

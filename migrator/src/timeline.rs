@@ -68,6 +68,13 @@ pub struct Timeline {
     pub phases: Vec<PhaseRecord>,
 }
 
+impl Timeline {
+    /// The record of `phase`, if it ran.
+    pub fn phase(&self, phase: Phase) -> Option<&PhaseRecord> {
+        self.phases.iter().find(|r| r.phase == phase)
+    }
+}
+
 /// Builds a [`Timeline`] while the move runs.
 #[derive(Debug)]
 pub struct TimelineRecorder {

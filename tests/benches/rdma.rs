@@ -669,25 +669,7 @@ fn measure_scale(bed: &Testbed, daemon: &Daemon) -> Result<String, Box<dyn std::
     use rdmamig_migrator::machine::Phase;
     let mut rows = Vec::new();
     for (processes, connections) in SCALE_MOVES {
-        let config = ScenarioConfig {
-            processes,
-            connections,
-            // As tests/tests/many.rs: 2 messages/s per connection keeps 64 connections'
-            // traffic within the guests' one emulated CPU; deadlines far above the figures.
-            rate: 2,
-            deadlines: [
-                "prepare=30000",
-                "quiesce=60000",
-                "detach=90000",
-                "resume=600000",
-            ]
-            .map(String::from)
-            .to_vec(),
-            peer_wait_s: 900,
-            connect_timeout_s: 60,
-            flush_timeout_s: 120,
-            ..ScenarioConfig::new(Strategy::Reconnect)
-        };
+        let config = ScenarioConfig::many(Strategy::Reconnect, processes, connections);
         let outcome = scenario::run(bed, daemon, &config)?;
         let total = processes * connections;
         println!(
@@ -701,9 +683,7 @@ fn measure_scale(bed: &Testbed, daemon: &Daemon) -> Result<String, Box<dyn std::
         let took = |phase: Phase| {
             report
                 .timeline
-                .phases
-                .iter()
-                .find(|r| r.phase == phase)
+                .phase(phase)
                 .map(|r| Took {
                     ms: r.duration_ms,
                     agent_ms: r.details.get("agent_ms").and_then(Value::as_u64),

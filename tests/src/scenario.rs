@@ -155,6 +155,45 @@ impl ScenarioConfig {
             retry_budget: None,
         }
     }
+
+    /// Many connections: `processes` traffic processes of `connections` each, 2 messages/s
+    /// per connection each way, with bounds for guests that many connections keep busy.
+    pub fn many(strategy: Strategy, processes: u32, connections: u32) -> Self {
+        Self {
+            processes,
+            connections,
+            // 2 messages/s per connection: 128 messages/s each way for 64 (the guests have
+            // one emulated CPU each, which 64 connections and 128 traffic threads keep busy).
+            rate: 2,
+            // Deadlines for 64 connections on guests with one emulated CPU each. On an idle
+            // machine (2026-12-02) prepare took 1.3-2.9 s, quiesce 1.5-6.8 s, detach
+            // 7.6-13.3 s and resume 6.6-8.5 s (32.4 s bridged); in CI and fresh-machine checks
+            // the guests ran 5-7 times slower: prepare missed 10 s, quiesce took 11.6 s,
+            // detach 17 s, and the new port was not ACTIVE within 58 s. Under a CPU limit of
+            // 0.8 core (cgroup cpu.cfs_quota_us, about 9 times slower) a bridged resume had
+            // 48 of the 64 back after 250 s. The deadlines leave ten times the idle figures
+            // or more: how fast many connections move is the benchmark's `scale` part.
+            deadlines: [
+                "prepare=30000",
+                "quiesce=60000",
+                "detach=90000",
+                "resume=600000",
+                "rollback=600000",
+            ]
+            .map(String::from)
+            .to_vec(),
+            // Longer than quiesce, detach, migrate and resume together at those deadlines.
+            peer_wait_s: 900,
+            // At 0.8 core, 64 connections took 72-87 s to connect (4-10 s idle), and the peer
+            // once accepted nothing for 24 s, past the default 10 s.
+            connect_timeout_s: 60,
+            // In CI (2026-12-03) a bridged move's resume took 133 s, and at the stop 19
+            // messages on the moving VM's links were still unacknowledged after the 3 s
+            // default flush: links that broke late are rebuilt (with their replay) first.
+            flush_timeout_s: 120,
+            ..Self::new(strategy)
+        }
+    }
 }
 
 /// What a scenario produced.
@@ -201,9 +240,7 @@ impl ScenarioOutcome {
         let report = self.move_report.as_ref()?;
         let migrate = report
             .timeline
-            .phases
-            .iter()
-            .find(|r| r.phase == rdmamig_migrator::machine::Phase::Migrate)?;
+            .phase(rdmamig_migrator::machine::Phase::Migrate)?;
         migrate.details.get("vm_paused_ms")?.as_u64()
     }
 }

@@ -73,9 +73,7 @@ fn hot_move_keeps_every_qp_and_loses_nothing() {
     let phase = |p: Phase| {
         report
             .timeline
-            .phases
-            .iter()
-            .find(|r| r.phase == p)
+            .phase(p)
             .unwrap_or_else(|| panic!("no {p} in {report:#?}"))
     };
     for p in [Phase::Quiesce, Phase::Detach, Phase::Attach] {
@@ -127,9 +125,7 @@ fn a_qp_that_does_not_survive_falls_back_to_a_reconnect_and_loses_nothing() {
     assert!(report.ok, "{report:#?}");
     let resume = &report
         .timeline
-        .phases
-        .iter()
-        .find(|r| r.phase == Phase::Resume)
+        .phase(Phase::Resume)
         .expect("a resume")
         .details;
     assert_eq!(resume["fell_back"], 1, "{resume:#?}");

@@ -169,9 +169,7 @@ fn assert_coordinated(o: &ScenarioOutcome) {
     ] {
         let record = report
             .timeline
-            .phases
-            .iter()
-            .find(|r| r.phase == phase)
+            .phase(phase)
             .unwrap_or_else(|| panic!("phase {phase:?} missing from the timeline"));
         assert_eq!(record.outcome, PhaseOutcome::Ok, "phase {phase:?}");
         if phase == Phase::Migrate {

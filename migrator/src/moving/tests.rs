@@ -108,14 +108,7 @@ async fn default_deadlines_grow_with_the_listed_connections_and_set_ones_stay() 
     asked.deadlines.set("quiesce=3000").unwrap();
     let report = bed.run(asked).await;
     assert!(report.ok, "{report:#?}");
-    let deadline = |phase: Phase| {
-        report
-            .timeline
-            .phases
-            .iter()
-            .find(|p| p.phase == phase)
-            .map(|p| p.deadline_ms)
-    };
+    let deadline = |phase: Phase| report.timeline.phase(phase).map(|p| p.deadline_ms);
     // The fake guest lists two connections.
     assert_eq!(deadline(Phase::Prepare), Some(10_000), "prepare lists them");
     assert_eq!(deadline(Phase::Quiesce), Some(3_000), "set by the client");
@@ -970,9 +963,7 @@ async fn a_hot_move_pauses_while_the_switchover_is_held_and_swaps_nothing() {
     let outcome = |phase: Phase| {
         report
             .timeline
-            .phases
-            .iter()
-            .find(|p| p.phase == phase)
+            .phase(phase)
             .map(|p| p.outcome.clone())
             .unwrap()
     };
@@ -1022,12 +1013,7 @@ async fn a_hot_move_under_a_workflow_pauses_before_the_hand_over() {
     let mut plan = workflow_plan();
     plan.strategy = Strategy::Hot;
     let report = bed.hand_over_plan(plan).await;
-    let quiesce = report
-        .timeline
-        .phases
-        .iter()
-        .find(|p| p.phase == Phase::Quiesce)
-        .expect("a quiesce");
+    let quiesce = report.timeline.phase(Phase::Quiesce).expect("a quiesce");
     assert_eq!(quiesce.outcome, PhaseOutcome::Ok, "{report:#?}");
     assert_eq!(quiesce.details["quiesced"], 2, "{report:#?}");
     let calls = bed.calls();
@@ -1088,9 +1074,7 @@ async fn a_hot_move_to_cloud_hypervisor_hands_a_reserved_vf_to_the_receiving_vmm
     let details = |phase: Phase| {
         report
             .timeline
-            .phases
-            .iter()
-            .find(|p| p.phase == phase)
+            .phase(phase)
             .map(|p| p.details.clone())
             .unwrap()
     };
