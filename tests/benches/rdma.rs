@@ -23,7 +23,7 @@
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::{self, Daemon, ScenarioConfig, ScenarioOutcome, Strategy};
-use rdmamig_testbed::steps::wait_listening;
+use rdmamig_testbed::steps::{wait_listening, Retransmissions};
 use rdmamig_testbed::{error_chain, Guest, Testbed};
 use serde_json::Value;
 
@@ -604,6 +604,9 @@ fn render_hot(hot: &ScenarioOutcome, attached: &ScenarioOutcome) -> String {
     let lost = |o: &ScenarioOutcome| o.peer.lost + o.mover.lost;
     let over_pause = hot.vm_paused_ms().map(|p| gap(hot) - p as f64);
     let ratio = gap(hot) / gap(attached);
+    let retransmitted = |o: &ScenarioOutcome, counter: fn(&Retransmissions) -> u64| {
+        shown(o.peer_retransmissions.as_ref().map(counter))
+    };
     format!(
         "| NIC attached, migrating with the VM     | attached, nothing paused | hot |\n\
          |----------------------------------------|-------------------------:|----:|\n\
@@ -612,6 +615,8 @@ fn render_hot(hot: &ScenarioOutcome, attached: &ScenarioOutcome) -> String {
          | VM paused, STOP to RESUME (ms)         | {:>24} | {:>3} |\n\
          | messages lost                          | {:>24} | {:>3} |\n\
          | errors the peer saw                    | {:>24} | {:>3} |\n\
+         | peer's retransmit timeouts             | {:>24} | {:>3} |\n\
+         | duplicate requests the peer received   | {:>24} | {:>3} |\n\
          hot gap - its VM pause: {} ms (target <= 5: {}); nothing lost with hot: {}\n\
          hot / attached gap: {ratio:.2} (target < 1: {})\n",
         gap(attached),
@@ -624,6 +629,10 @@ fn render_hot(hot: &ScenarioOutcome, attached: &ScenarioOutcome) -> String {
         lost(hot),
         attached.peer.errors.len(),
         hot.peer.errors.len(),
+        retransmitted(attached, |r| r.timeouts),
+        retransmitted(hot, |r| r.timeouts),
+        retransmitted(attached, |r| r.duplicates),
+        retransmitted(hot, |r| r.duplicates),
         over_pause.map_or("?".to_owned(), |d| format!("{d:+.0}")),
         verdict(over_pause.is_some_and(|d| d <= 5.0)),
         verdict(lost(hot) == 0),

@@ -214,6 +214,9 @@ pub struct ScenarioOutcome {
     /// With [`ScenarioConfig::hold_arrival`]: how long the arrived VM was kept paused,
     /// from the destination's first look that saw it arrived to its resume.
     pub held: Option<Duration>,
+    /// The peer's retransmission counters across the move, from before it to the end of
+    /// the traffic after it (the peer's device stays: a moved peer has none to compare).
+    pub peer_retransmissions: Option<steps::Retransmissions>,
     /// What `rdmamig migrate` printed for the peer VM's own move, when `move_peer` was set.
     pub peer_move: Option<String>,
     /// The peer's clock minus the host's, in ms (guests set their clock from the RTC at
@@ -535,6 +538,11 @@ pub fn run(
         connecting.elapsed().as_secs_f64()
     );
     std::thread::sleep(config.before);
+    let retransmissions_before = step(
+        &peer,
+        "reading the retransmission counters",
+        steps::retransmissions(&peer),
+    )?;
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));
     let peer_report_path = bed.dir().join(format!("move-{tag}-peer.json"));
@@ -636,6 +644,17 @@ pub fn run(
     let move_output = succeeded(&src, first?)?;
     let peer_move = peer_move.map(|out| succeeded(&peer, out)).transpose()?;
     std::thread::sleep(config.after);
+    let peer_retransmissions = match &peer_dst {
+        Some(_) => None,
+        None => Some(
+            step(
+                &peer,
+                "reading the retransmission counters",
+                steps::retransmissions(&peer),
+            )?
+            .since(retransmissions_before),
+        ),
+    };
     let peer = peer_dst.as_ref().unwrap_or(&peer);
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
@@ -673,6 +692,7 @@ pub fn run(
         move_report,
         move_window_unix_ms: (started, ended),
         held,
+        peer_retransmissions,
         peer_move,
         peer: peer_report,
         mover,
@@ -865,6 +885,13 @@ pub fn render(outcome: &ScenarioOutcome) -> String {
         &outcome.mover,
         &outcome.peer,
     );
+    if let Some(r) = outcome.peer_retransmissions {
+        text.push_str(&format!(
+            "  peer's RC retransmissions during the move: {} timeouts, {} QPs out of retries, \
+             {} duplicate requests received\n",
+            r.timeouts, r.exhausted, r.duplicates
+        ));
+    }
     for problem in &outcome.kernel_problems {
         text.push_str(&format!("  guest kernel problem: {problem}\n"));
     }

@@ -159,6 +159,57 @@ pub fn kernel_problems(guest: &dyn Shell) -> StepResult<Vec<String>> {
         .collect())
 }
 
+/// Soft-RoCE's retransmission counters of a guest, summed over its RDMA devices (rxe's
+/// `hw_counters`): what an RC sender did while its peer was silent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Retransmissions {
+    /// Retransmit timeouts of this guest's requesters (`completer_retry_err`).
+    pub timeouts: u64,
+    /// QPs of this guest whose retry budget ran out (`retry_exceeded_err`).
+    pub exhausted: u64,
+    /// Requests this guest's responders received twice (`duplicate_request`): the other
+    /// side's retransmissions.
+    pub duplicates: u64,
+}
+
+impl Retransmissions {
+    /// What rose from `before` to `self`.
+    pub fn since(self, before: Retransmissions) -> Retransmissions {
+        Retransmissions {
+            timeouts: self.timeouts.saturating_sub(before.timeouts),
+            exhausted: self.exhausted.saturating_sub(before.exhausted),
+            duplicates: self.duplicates.saturating_sub(before.duplicates),
+        }
+    }
+}
+
+/// Reads `guest`'s [`Retransmissions`].
+pub fn retransmissions(guest: &dyn Shell) -> StepResult<Retransmissions> {
+    let out = guest.run_ok(
+        "for c in completer_retry_err retry_exceeded_err duplicate_request; do \
+           n=0; for f in /sys/class/infiniband/*/ports/1/hw_counters/$c; do \
+             [ -r \"$f\" ] && n=$((n + $(cat \"$f\"))); done; echo \"$c $n\"; done",
+        step_timeout(guest),
+    )?;
+    let mut counters = Retransmissions::default();
+    for line in out.lines() {
+        let Some((name, value)) = line.split_once(' ') else {
+            continue;
+        };
+        let value: u64 = value
+            .trim()
+            .parse()
+            .map_err(|_| format!("{}: hw counter line {line:?}", guest.name()))?;
+        match name {
+            "completer_retry_err" => counters.timeouts = value,
+            "retry_exceeded_err" => counters.exhausted = value,
+            "duplicate_request" => counters.duplicates = value,
+            _ => {}
+        }
+    }
+    Ok(counters)
+}
+
 /// Fails the test on any guest kernel problem [`kernel_problems`] found.
 pub fn assert_no_kernel_problems(problems: &[String]) {
     assert!(

@@ -177,6 +177,13 @@ fn a_pause_longer_than_the_retry_budget_breaks_an_uncoordinated_qp_but_not_hot()
             .iter()
             .any(|e| e.contains("transport retry counter exceeded"))
     };
+    let counters = attached
+        .peer_retransmissions
+        .expect("the peer's retransmission counters");
+    assert!(
+        counters.exhausted > 0,
+        "the peer's rxe counted no QP out of retries: {counters:?}"
+    );
     assert!(
         retries_exhausted(&attached.peer.errors),
         "the uncoordinated peer's QP survived a {held_for:?} pause with budget {BUDGET:?}: \
@@ -202,8 +209,13 @@ fn a_pause_longer_than_the_retry_budget_breaks_an_uncoordinated_qp_but_not_hot()
     assert!(report.ok, "{report:#?}");
     eprintln!(
         "hot with budget {BUDGET:?}, VM held {held_for:?}: uncoordinated peer lost {} and \
-         the moving VM {} (peer's largest gap {:.0} ms); hot lost nothing (peer's largest \
-         gap {:.0} ms)",
-        attached.peer.lost, attached.mover.lost, attached.peer.max_gap_ms, o.peer.max_gap_ms
+         the moving VM {} (peer's largest gap {:.0} ms, retransmissions {:?}); hot lost \
+         nothing (peer's largest gap {:.0} ms, retransmissions {:?})",
+        attached.peer.lost,
+        attached.mover.lost,
+        attached.peer.max_gap_ms,
+        attached.peer_retransmissions,
+        o.peer.max_gap_ms,
+        o.peer_retransmissions
     );
 }
