@@ -584,6 +584,12 @@ impl ListenerThread {
             PrivateData::decode(private_data),
             Ok(PrivateData::Resume(_))
         );
+        tracing::debug!(
+            conn = format_args!("{:016x}", hello.conn_id),
+            resume = is_resume,
+            to_its_worker = existing.is_some(),
+            "connect request"
+        );
         match existing {
             Some(conn) => {
                 if !token_eq(&conn.token, &hello.token) {

@@ -404,6 +404,7 @@ impl Worker {
                             Some(reason) => self.fail(Failure::ResumeRefused(reason)),
                             None => {
                                 self.last_error = e.text();
+                                tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %self.last_error, "reconnect attempt failed");
                                 self.next_attempt =
                                     Instant::now() + self.sh.opts.reconnect_interval;
                             }

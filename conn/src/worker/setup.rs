@@ -59,8 +59,10 @@ pub(super) enum AttemptError {
     #[error("no peer address")]
     NoPeer,
     /// The step's CM event did not come in time.
-    #[error("no CM event within {timeout:?}")]
+    #[error("no {awaited} within {timeout:?}")]
     NoEvent {
+        /// The event waited for.
+        awaited: &'static str,
         /// The wait.
         timeout: Duration,
     },
@@ -182,6 +184,7 @@ impl Worker {
                         }
                         Err(e) => {
                             self.last_error = e.text();
+                            tracing::debug!(conn = format_args!("{:016x}", self.sh.id), error = %self.last_error, "connect attempt failed");
                             tokio::time::sleep(self.sh.opts.reconnect_interval).await;
                         }
                     }
@@ -227,12 +230,13 @@ impl Worker {
         }
     }
 
-    /// The next CM event for `id`, waiting up to `timeout`. Events for other ids stay queued
-    /// for the main loop (which ignores those of ids already released). While bridging,
-    /// the bridge carries the traffic meanwhile.
+    /// The next CM event for `id` (the step waits for `awaited`), waiting up to `timeout`.
+    /// Events for other ids stay queued for the main loop (which ignores those of ids already
+    /// released). While bridging, the bridge carries the traffic meanwhile.
     pub(super) async fn wait_for(
         &mut self,
         id: IdKey,
+        awaited: &'static str,
         timeout: Duration,
     ) -> Result<CmEvent, AttemptError> {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -265,7 +269,7 @@ impl Worker {
                     clear(taken);
                 }
                 () = tokio::time::sleep_until(deadline) => {
-                    break Err(AttemptError::NoEvent { timeout });
+                    break Err(AttemptError::NoEvent { awaited, timeout });
                 }
             }
         };
@@ -335,7 +339,11 @@ impl Worker {
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
         id.resolve_addr(peer, resolve)?;
         let ev = self
-            .wait_for(id.key(), resolve + Duration::from_millis(500))
+            .wait_for(
+                id.key(),
+                "ADDR_RESOLVED",
+                resolve + Duration::from_millis(500),
+            )
             .await?;
         if ev.kind != CmEventKind::AddrResolved {
             return Err(AttemptError::AddrResolution {
@@ -345,7 +353,11 @@ impl Worker {
         }
         id.resolve_route(resolve)?;
         let ev = self
-            .wait_for(id.key(), resolve + Duration::from_millis(500))
+            .wait_for(
+                id.key(),
+                "ROUTE_RESOLVED",
+                resolve + Duration::from_millis(500),
+            )
             .await?;
         if ev.kind != CmEventKind::RouteResolved {
             return Err(AttemptError::RouteResolution {
@@ -371,7 +383,7 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let ev = self.wait_for(ep.id.key(), establish).await?;
+        let ev = self.wait_for(ep.id.key(), "ESTABLISHED", establish).await?;
         match ev.kind {
             CmEventKind::Established => match PrivateData::decode(&ev.private_data) {
                 Ok(PrivateData::Accept(a)) if a.conn_id == self.sh.id => {
@@ -422,7 +434,7 @@ impl Worker {
             self.sh.opts.rnr_retry,
         )?;
         let establish = patient(ESTABLISH_TIMEOUT, self.setup_timeouts, Duration::MAX);
-        let ev = self.wait_for(ep.id.key(), establish).await?;
+        let ev = self.wait_for(ep.id.key(), "ESTABLISHED", establish).await?;
         if ev.kind != CmEventKind::Established {
             return Err(AttemptError::Accept {
                 kind: ev.kind,
@@ -536,10 +548,11 @@ mod tests {
         assert_eq!(AttemptError::NoPeer.refused(), None);
         assert_eq!(
             AttemptError::NoEvent {
+                awaited: "ESTABLISHED",
                 timeout: Duration::from_secs(3)
             }
             .text(),
-            "no CM event within 3s"
+            "no ESTABLISHED within 3s"
         );
     }
 
