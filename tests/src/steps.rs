@@ -497,6 +497,28 @@ impl MoveGuests {
     }
 }
 
+/// Waits (`bound` at most) until an rdma_cm id in `guest` listens on `port` (`rdma resource
+/// show cm_id`): a client started before that is rejected at every attempt ("no
+/// listener"), and on a slow nested VM the serving process took longer to listen than the
+/// client's connect timeout.
+pub fn wait_rdma_listening(guest: &dyn Shell, port: u16, bound: Duration) -> StepResult<()> {
+    let out = guest.run(
+        &format!(
+            "end=$(($(date +%s) + {secs})); \
+             until rdma resource show cm_id | awk '/state LISTEN/ {{ for (i = 1; i < NF; i++) \
+               if ($i == \"src-addr\" && $(i + 1) ~ /:{port}$/) f = 1 }} END {{ exit !f }}'; do \
+               [ $(date +%s) -ge $end ] && {{ echo 'no rdma_cm listener on port {port}:'; \
+                 rdma resource show cm_id; exit 1; }}; sleep 0.2; done",
+            secs = bound.as_secs()
+        ),
+        bound + step_timeout(guest),
+    )?;
+    if out.status != 0 {
+        return Err(format!("{}: {}", guest.name(), out.output.trim()).into());
+    }
+    Ok(())
+}
+
 /// Waits (10 s at most) until a socket in `guest` listens on TCP `port`. Only the LISTEN
 /// state counts: a connection of an earlier run on that port lingers in TIME_WAIT, and a
 /// client started on its sight finds nobody listening yet.

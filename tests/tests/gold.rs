@@ -39,7 +39,7 @@ use rdmamig_testbed::nested::{
 use rdmamig_testbed::pki::Pki;
 use rdmamig_testbed::steps::{
     collect_report, dump_logs, finish_clean_flow, start_holder, start_traffic, stop_traffic,
-    wait_ready, StepResult, FLOW_PORT,
+    wait_rdma_listening, wait_ready, StepResult, FLOW_PORT,
 };
 use rdmamig_testbed::{error_chain, Shell, Testbed};
 use serde_json::Value;
@@ -345,7 +345,7 @@ fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
     // messages: 34 min at 2/s), and the end's flush allows for acknowledgements that come
     // seconds apart.
     let mut common =
-        String::from("--rate 2 --connect-timeout-s 120 --peer-wait-s 2700 --flush-timeout-s 120");
+        String::from("--rate 2 --connect-timeout-s 300 --peer-wait-s 2700 --flush-timeout-s 120");
     match traffic {
         Traffic::Plain => common.push_str(" --mode plain"),
         Traffic::Migratable => common.push_str(" --mode migratable"),
@@ -355,6 +355,9 @@ fn start_flow(run: &Running, traffic: Traffic) -> StepResult<()> {
         )),
     }
     start_traffic(&run.peer, TAG, &format!("serve --listen {server} {common}"))?;
+    // On a slow day the serving process listened only after the client's connect timeout
+    // had run out on "no listener" rejections (2026-12-07): the client starts once it does.
+    wait_rdma_listening(&run.peer, FLOW_PORT, Duration::from_secs(600))?;
     start_traffic(&run.mover, TAG, &format!("connect --to {server} {common}"))?;
     wait_ready(&run.peer, TAG, 1)?;
     wait_ready(&run.mover, TAG, 1)?;
