@@ -461,6 +461,13 @@ pub enum PlanError {
 }
 
 impl MovePlan {
+    /// Whether a move whose device migrates with the VM (`hot`) hands the destination VMM a
+    /// function of the destination's pool with its receive: a Cloud Hypervisor destination
+    /// takes a VF as descriptors; a QEMU destination was started with its device.
+    pub fn hands_pool_vf_to_receiver(&self) -> bool {
+        self.from_pool && matches!(self.destination, Some(Endpoint::CloudHypervisor { .. }))
+    }
+
     /// The device a rollback plugs back on the source, if the plan names one.
     pub fn reattach_spec(&self) -> Option<&DeviceSpec> {
         self.reattach.as_ref().or(self.attach.as_ref())

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::backends::Backends;
-use crate::plan::{Endpoint, MigrationBy, MovePlan, Strategy};
+use crate::plan::{MigrationBy, MovePlan, Strategy};
 use crate::pool::{Attachment, Pool};
 use crate::vfio::Sysfs;
 use rdmamig_proto::text::error_chain;
@@ -249,11 +249,8 @@ pub async fn gather(plan: &MovePlan, backends: &dyn Backends, pool: &Pool) -> Ev
         .destination
         .as_ref()
         .filter(|_| plan.destination_migrator.is_none() && plan.migration == MigrationBy::Migrator);
-    let handed_over = plan.from_pool
-        && plan.migration == MigrationBy::Migrator
-        && matches!(plan.destination, Some(Endpoint::CloudHypervisor { .. }));
     let destination = match local_destination {
-        _ if handed_over => DestinationDevice::HandedOver,
+        _ if plan.hands_pool_vf_to_receiver() => DestinationDevice::HandedOver,
         Some(endpoint) => match backends.connect(endpoint).await {
             Ok(vmm) => match vmm.has_device(&plan.detach).await {
                 Ok(true) => DestinationDevice::Has,

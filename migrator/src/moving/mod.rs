@@ -597,16 +597,10 @@ impl Mover {
         })
     }
 
-    /// Whether the destination VMM is handed the reserved function with its receive: `hot`
-    /// on Cloud Hypervisor, whose receiving VMM takes a VF as descriptors (a QEMU destination
-    /// was started with its device).
+    /// Whether the destination VMM is handed the reserved function with its receive
+    /// ([`MovePlan::hands_pool_vf_to_receiver`], for a strategy whose device moves).
     fn hands_over_at_receive(&self) -> bool {
-        self.strategy.steps().device_moves.is_some()
-            && self.plan.from_pool
-            && matches!(
-                self.plan.destination,
-                Some(Endpoint::CloudHypervisor { .. })
-            )
+        self.strategy.steps().device_moves.is_some() && self.plan.hands_pool_vf_to_receiver()
     }
 
     fn move_ref(&self) -> MoveRef {
