@@ -95,6 +95,14 @@ impl PlainOptions {
             ack_timeout: None,
         }
     }
+
+    /// Gives `id` the ACK timeout, if one is set (before its QP is made).
+    fn apply_ack_timeout(&self, id: &CmId) -> Result<(), VerbsError> {
+        match self.ack_timeout {
+            Some(timeout) => id.set_ack_timeout(timeout),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Counters of a plain endpoint.
@@ -340,9 +348,7 @@ impl PlainThread {
 
     fn connect(&mut self, peer: SocketAddr) -> Result<Endpoint, AttemptError> {
         let id = CmId::create(&self.chan)?;
-        if let Some(timeout) = self.sh.options.ack_timeout {
-            id.set_ack_timeout(timeout)?;
-        }
+        self.sh.options.apply_ack_timeout(&id)?;
         id.resolve_addr(peer, STEP_TIMEOUT)?;
         self.wait(&id, CmEventKind::AddrResolved)?;
         id.resolve_route(STEP_TIMEOUT)?;
@@ -390,11 +396,10 @@ impl PlainThread {
                 CmEventKind::ConnectRequest => {
                     if let Some(id) = ev.new_id.take() {
                         let options = self.sh.options;
-                        let id = match options.ack_timeout {
-                            Some(timeout) => id.set_ack_timeout(timeout).map(|()| id),
-                            None => Ok(id),
-                        };
-                        match id.and_then(|id| build_endpoint(id, DEPTH, self.slot)) {
+                        let built = options
+                            .apply_ack_timeout(&id)
+                            .and_then(|()| build_endpoint(id, DEPTH, self.slot));
+                        match built {
                             Ok(ep) => {
                                 if ep.id.accept(&[], options.retry_count, 7).is_ok() {
                                     self.pending = Some(ep);

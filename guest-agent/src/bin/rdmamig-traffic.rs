@@ -334,6 +334,7 @@ fn run_traffic(side: Side, c: Common) -> i32 {
     };
     let max_message = size.max(one_sided.map_or(0, |o| o.region_size));
     let defaults = ConnectOptions::default();
+    let plain = PlainOptions::new(size);
     let cfg = TrafficConfig {
         side,
         mode: c.mode,
@@ -355,9 +356,9 @@ fn run_traffic(side: Side, c: Common) -> i32 {
             ..defaults
         },
         plain: PlainOptions {
-            retry_count: c.retry_count.unwrap_or(7),
-            ack_timeout: c.ack_timeout,
-            ..PlainOptions::new(size)
+            retry_count: c.retry_count.unwrap_or(plain.retry_count),
+            ack_timeout: c.ack_timeout.or(plain.ack_timeout),
+            ..plain
         },
         one_sided,
         progress_file: c.progress_file,
