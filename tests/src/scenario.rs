@@ -538,11 +538,19 @@ pub fn run(
         connecting.elapsed().as_secs_f64()
     );
     std::thread::sleep(config.before);
-    let retransmissions_before = step(
-        &peer,
-        "reading the retransmission counters",
-        steps::retransmissions(&peer),
-    )?;
+    // The peer's counters, unless the peer moves too (its device is then replaced).
+    let read_retransmissions = || {
+        step(
+            &peer,
+            "reading the retransmission counters",
+            steps::retransmissions(&peer),
+        )
+    };
+    let retransmissions_before = if config.move_peer {
+        None
+    } else {
+        Some(read_retransmissions()?)
+    };
 
     let report_path = bed.dir().join(format!("move-{tag}.json"));
     let peer_report_path = bed.dir().join(format!("move-{tag}-peer.json"));
@@ -644,17 +652,9 @@ pub fn run(
     let move_output = succeeded(&src, first?)?;
     let peer_move = peer_move.map(|out| succeeded(&peer, out)).transpose()?;
     std::thread::sleep(config.after);
-    let peer_retransmissions = match &peer_dst {
-        Some(_) => None,
-        None => Some(
-            step(
-                &peer,
-                "reading the retransmission counters",
-                steps::retransmissions(&peer),
-            )?
-            .since(retransmissions_before),
-        ),
-    };
+    let peer_retransmissions = retransmissions_before
+        .map(|before| read_retransmissions().map(|now| now.since(before)))
+        .transpose()?;
     let peer = peer_dst.as_ref().unwrap_or(&peer);
     // Both sides stop sending before either closes, so neither sees the other's close as
     // an error: signal both, then collect both reports.
