@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, QuiesceMode};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent, DEFAULT_AGENT_SOCKET};
+use rdmamig_proto::preload::PeerAnswer;
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use thiserror::Error;
 
@@ -156,6 +157,14 @@ pub fn handle(request: &AgentToApp) -> Option<AppToAgent> {
                 body: AppReply::Outcomes { outcomes },
             }
         }
+        // The library's connections carry their own peer protocol; preloaded programs'
+        // peers ask about raw QPs, which are never the library's.
+        AgentToApp::Peer { request, .. } => AppToAgent::Reply {
+            request,
+            body: AppReply::Peer {
+                answer: PeerAnswer::NotMine,
+            },
+        },
         AgentToApp::Refused { ref reason } => {
             tracing::warn!(%reason, "the agent refused what this process sent");
             return None;

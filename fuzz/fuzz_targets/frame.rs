@@ -1,12 +1,13 @@
-//! Arbitrary bytes on any framed channel (host <-> agent, agent <-> application) must yield
-//! frames, typed errors or "incomplete", never a panic, and resynchronising must always
-//! make progress. Whatever the guest's answer says, once made printable it has no control
+//! Arbitrary bytes on any framed channel (host <-> agent, agent <-> application, a
+//! preloaded program's peer <-> agent) must yield frames, typed errors or "incomplete",
+//! never a panic, and resynchronising must always make progress. Whatever the guest's answer says, once made printable it has no control
 //! character left to reach a terminal.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use rdmamig_proto::agent::{AgentRequest, AgentResponse};
 use rdmamig_proto::app::{AgentToApp, AppToAgent};
+use rdmamig_proto::preload::{PeerAnswer, PeerRequest};
 use rdmamig_proto::{FrameBuffer, FrameError};
 
 /// No string anywhere in `value` has a control character.
@@ -37,6 +38,8 @@ fuzz_target!(|data: &[u8]| {
                     }
                     let _ = frame.decode::<AgentToApp>();
                     let _ = frame.decode::<AppToAgent>();
+                    let _ = frame.decode::<PeerRequest>();
+                    let _ = frame.decode::<PeerAnswer>();
                 }
                 Err(FrameError::Incomplete { .. }) => break,
                 Err(_) => {

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::agent::{ConnectionInfo, ConnectionOutcome};
+use crate::preload::{PeerAnswer, PeerRequest};
 
 /// Default path of the agent's socket for applications.
 pub const DEFAULT_AGENT_SOCKET: &str = "/run/rdmamig/agent.sock";
@@ -46,6 +47,11 @@ pub enum AppReply {
         /// One entry per connection of the process.
         outcomes: Vec<ConnectionOutcome>,
     },
+    /// Answer to [`AgentToApp::Peer`].
+    Peer {
+        /// What the process did ([`PeerAnswer::NotMine`] from all but the QP's holder).
+        answer: PeerAnswer,
+    },
 }
 
 /// From the agent to the library.
@@ -77,6 +83,16 @@ pub enum AgentToApp {
         request: u64,
         /// Time allowed, in milliseconds.
         deadline_ms: u64,
+    },
+    /// A preloaded program's peer asks about one of its QPs ([`crate::preload`]); only
+    /// preloaded processes hold such QPs, every other answers [`PeerAnswer::NotMine`].
+    Peer {
+        /// Echoed in the reply.
+        request: u64,
+        /// The requester's IP address, as the agent's TCP connection saw it.
+        from: String,
+        /// What it asks.
+        message: PeerRequest,
     },
     /// The agent could not use what this socket sent (a bad frame or message); nothing was
     /// changed. After a frame error the byte stream cannot be trusted, and the agent closes

@@ -4,7 +4,9 @@
 //! - host migrator <-> guest agent ([`agent`]), over virtio-serial or hybrid vsock;
 //!   the guest is untrusted, so the host checks every answer against what it asked;
 //! - guest agent <-> applications using the connection library ([`app`]), over a UNIX
-//!   socket inside the guest.
+//!   socket inside the guest;
+//! - a preloaded program's library <-> its peer's, through the peer's agent ([`preload`]),
+//!   over TCP between guests.
 //!
 //! The layering follows mini-redis: [`frame`] turns bytes into frames (check, then parse,
 //! with an explicit "incomplete" outcome) and the typed messages ride inside a frame as JSON.
@@ -16,6 +18,7 @@ pub mod agent;
 pub mod app;
 pub mod clock;
 pub mod frame;
+pub mod preload;
 pub mod text;
 
 pub use frame::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};

@@ -37,6 +37,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
+use rdmamig_proto::preload::{PeerAnswer, PeerRequest};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 use thiserror::Error;
 use tracing::{debug, info, warn};
@@ -337,6 +338,38 @@ impl Apps {
             Ok(_) => failed_outcomes(app, &AppRequestError::WrongReply { pid: app.pid }),
             Err(e) => failed_outcomes(app, &e),
         })
+    }
+
+    /// Hands a preloaded program's peer request to every registered process; the answer is
+    /// the one process's that holds the QP ([`PeerAnswer::NotMine`] when none does, or
+    /// none answered by `deadline`).
+    pub fn relay(&self, from: &str, message: &PeerRequest, deadline: Instant) -> PeerAnswer {
+        let answers = self.fan_out(|apps, app| {
+            let asked = apps.request(
+                app,
+                |request| AgentToApp::Peer {
+                    request,
+                    from: from.to_owned(),
+                    message: message.clone(),
+                },
+                deadline,
+            );
+            match asked {
+                Ok(AppReply::Peer { answer }) => vec![answer],
+                Ok(_) => {
+                    warn!(pid = app.pid, "wrong reply to a peer request");
+                    Vec::new()
+                }
+                Err(e) => {
+                    debug!("peer request: {e}");
+                    Vec::new()
+                }
+            }
+        });
+        answers
+            .into_iter()
+            .find(|a| *a != PeerAnswer::NotMine)
+            .unwrap_or(PeerAnswer::NotMine)
     }
 
     /// Runs `per_app` for every registered process, at most [`MAX_PARALLEL_APPS`] at once
@@ -678,7 +711,7 @@ pub(super) mod tests {
                     },
                 })
             }
-            AgentToApp::Refused { .. } => None,
+            AgentToApp::Peer { .. } | AgentToApp::Refused { .. } => None,
         });
         assert_eq!(apps.describe(Duration::from_secs(5)).len(), 2);
         let outcomes = apps.drive(

@@ -6,7 +6,8 @@
 //! every process releases the RDMA device; on a resume the agent waits for the new device
 //! ([`device`]) and every connection reconnects. Each answer lists per-connection results.
 //! Programs that hold an RDMA device without the library are listed, and released when
-//! the move's policy says so ([`release`]).
+//! the move's policy says so ([`release`]). Programs under `rdmamig-run` in other VMs
+//! reach the programs here through a TCP port ([`peers`]).
 //!
 //! Everything is bounded by the deadline the host gives; nothing here waits forever.
 //!
@@ -20,6 +21,7 @@
 pub mod apps;
 pub mod device;
 pub mod host;
+pub mod peers;
 pub mod release;
 pub mod vsock;
 
@@ -359,7 +361,7 @@ mod tests {
                 RESUMES.fetch_add(1, Ordering::SeqCst);
                 ok(request)
             }
-            AgentToApp::Refused { .. } => None,
+            AgentToApp::Peer { .. } | AgentToApp::Refused { .. } => None,
         });
         let sysfs = tempfile::tempdir().unwrap();
         let port = sysfs.path().join("rxe0/ports/1");

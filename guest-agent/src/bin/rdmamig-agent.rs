@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use rdmamig_guest::agent::apps::{Apps, SocketAccess};
-use rdmamig_guest::agent::{device, host, vsock, Agent};
+use rdmamig_guest::agent::{device, host, peers, vsock, Agent};
 use rdmamig_proto::app::DEFAULT_AGENT_SOCKET;
 use tracing::{error, info, warn};
 
@@ -57,6 +57,10 @@ struct Args {
     /// Also serve the host on this AF_VSOCK port (the host only: CID 2).
     #[arg(long, value_name = "PORT")]
     vsock_port: Option<u32>,
+    /// TCP port where preloaded programs (`rdmamig-run`) in other VMs reach the ones here
+    /// when one end of their QP moves (0: not served; their moves then fail).
+    #[arg(long, default_value_t = rdmamig_proto::preload::PEER_PORT, value_name = "PORT")]
+    peer_port: u16,
     /// The agent's niceness (-20 to 19). It answers the host's move commands within their
     /// deadlines, so it runs ahead of the applications: on a loaded guest (64 connections,
     /// 0.8 CPU) a listing of unmanaged programs at niceness 0 took over 20 s.
@@ -100,6 +104,12 @@ fn main() -> ExitCode {
     if let Err(e) = apps.listen(&args.app_socket, access) {
         error!("{}", error_chain(&e));
         return ExitCode::FAILURE;
+    }
+    if args.peer_port != 0 {
+        // Without it, only preloaded programs' moves fail: the agent goes on.
+        if let Err(e) = peers::listen(apps.clone(), args.peer_port) {
+            error!("{}", error_chain(&e));
+        }
     }
     // A vsock that cannot listen leaves the virtio-serial port, which is reported below
     // if it is missing too.

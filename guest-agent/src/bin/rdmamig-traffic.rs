@@ -633,6 +633,12 @@ fn stall_quiesce(
                     outcomes: Vec::new(),
                 },
             ),
+            AgentToApp::Peer { request, .. } => (
+                request,
+                AppReply::Peer {
+                    answer: rdmamig_proto::preload::PeerAnswer::NotMine,
+                },
+            ),
             AgentToApp::Refused { reason } => return Err(ToolError::Refused { reason }),
             AgentToApp::Quiesce { .. } => {
                 std::fs::write(marker, b"").map_err(|source| ToolError::File {
