@@ -11,6 +11,7 @@
 
 use std::os::raw::{c_int, c_uint, c_void};
 use std::ptr::null_mut;
+use std::sync::atomic::Ordering;
 
 use rdma_sys::{
     _compat_ibv_port_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_device, ibv_device_attr,
@@ -18,12 +19,13 @@ use rdma_sys::{
     ibv_qp_type,
 };
 
-use crate::next;
 use crate::objects::{
-    self, find, locked, publish, real, retire, trace, Channel, Context, Cq, Mr, Pd, Qp,
+    self, find, locked, publish, real, retire, trace, Channel, Context, Cq, Flow, Member, Mr, Pd,
+    Qp,
 };
-use crate::ops;
+use crate::relocate::control;
 use crate::unsupported::refuse;
+use crate::{keys, link, next, ops};
 
 /// A zeroed public struct: every verbs.h struct here is plain data (pointers, integers, and
 /// pthread objects whose all-zero value is their static initializer on glibc).
@@ -38,11 +40,13 @@ fn zeroed<T>() -> T {
 /// As libibverbs' ibv_open_device.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
+    let _device = control();
     // SAFETY: the caller's device, to libibverbs' own verb.
     let real = unsafe { next::ibv_open_device()(device) };
     if real.is_null() {
         return real;
     }
+    link::start();
     let mut public: ibv_context = zeroed();
     // SAFETY: `real` is the live context libibverbs just opened.
     unsafe {
@@ -55,7 +59,10 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
     // Not an extended context (`abi_compat` is not verbs.h's marker), so the inline
     // extended verbs find no ops and fail with EOPNOTSUPP.
     public.abi_compat = null_mut();
-    publish(Context { public, real })
+    publish(Context {
+        public,
+        real: real.into(),
+    })
 }
 
 /// ibv_close_device.
@@ -64,6 +71,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
 /// As libibverbs' ibv_close_device.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_close_device()(real::<Context>(context)) };
     if result == 0 {
@@ -81,6 +89,7 @@ pub unsafe extern "C" fn ibv_query_device(
     context: *mut ibv_context,
     attr: *mut ibv_device_attr,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     unsafe { next::ibv_query_device()(real::<Context>(context), attr) }
 }
@@ -95,6 +104,7 @@ pub unsafe extern "C" fn ibv_query_port(
     port: u8,
     attr: *mut _compat_ibv_port_attr,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     unsafe { next::ibv_query_port()(real::<Context>(context), port, attr) }
 }
@@ -110,6 +120,7 @@ pub unsafe extern "C" fn ibv_query_gid(
     index: c_int,
     gid: *mut ibv_gid,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     unsafe { next::ibv_query_gid()(real::<Context>(context), port, index, gid) }
 }
@@ -125,6 +136,7 @@ pub unsafe extern "C" fn ibv_query_pkey(
     index: c_int,
     pkey: *mut u16,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     unsafe { next::ibv_query_pkey()(real::<Context>(context), port, index, pkey) }
 }
@@ -137,6 +149,7 @@ pub unsafe extern "C" fn ibv_query_pkey(
 pub unsafe extern "C" fn ibv_create_comp_channel(
     context: *mut ibv_context,
 ) -> *mut ibv_comp_channel {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     let real = unsafe { next::ibv_create_comp_channel()(objects::real::<Context>(context)) };
     if real.is_null() || find::<Context>(context).is_none() {
@@ -146,7 +159,10 @@ pub unsafe extern "C" fn ibv_create_comp_channel(
     public.context = context;
     // SAFETY: `real` is the live channel libibverbs just made.
     public.fd = unsafe { (*real).fd };
-    publish(Channel { public, real })
+    publish(Channel {
+        public,
+        real: real.into(),
+    })
 }
 
 /// ibv_destroy_comp_channel.
@@ -155,6 +171,7 @@ pub unsafe extern "C" fn ibv_create_comp_channel(
 /// As libibverbs' ibv_destroy_comp_channel.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel) -> c_int {
+    let _device = control();
     // SAFETY: the real channel behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_destroy_comp_channel()(real::<Channel>(channel)) };
     if result == 0 {
@@ -179,10 +196,14 @@ pub unsafe extern "C" fn ibv_get_cq_event(
     }
     let mut real_cq = null_mut();
     let mut real_context = null_mut();
+    let mut real_channel = real::<Channel>(channel);
+    while real_channel.is_null() {
+        // A move has the device away: the event comes from the rebuilt channel.
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        real_channel = real::<Channel>(channel);
+    }
     // SAFETY: the real channel behind the caller's; the out-pointers are ours.
-    let result = unsafe {
-        next::ibv_get_cq_event()(real::<Channel>(channel), &mut real_cq, &mut real_context)
-    };
+    let result = unsafe { next::ibv_get_cq_event()(real_channel, &mut real_cq, &mut real_context) };
     if result != 0 {
         return result;
     }
@@ -209,6 +230,7 @@ pub unsafe extern "C" fn ibv_get_cq_event(
 /// As libibverbs' ibv_ack_cq_events.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, events: c_uint) {
+    let _device = control();
     // SAFETY: the real CQ behind the caller's, to libibverbs' own verb.
     unsafe { next::ibv_ack_cq_events()(real::<Cq>(cq), events) }
 }
@@ -219,6 +241,7 @@ pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, events: c_uint) {
 /// As libibverbs' ibv_alloc_pd.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd {
+    let _device = control();
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     let real = unsafe { next::ibv_alloc_pd()(objects::real::<Context>(context)) };
     if real.is_null() || find::<Context>(context).is_none() {
@@ -228,7 +251,10 @@ pub unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd 
     public.context = context;
     // SAFETY: `real` is the live PD libibverbs just allocated.
     public.handle = unsafe { (*real).handle };
-    publish(Pd { public, real })
+    publish(Pd {
+        public,
+        real: real.into(),
+    })
 }
 
 /// ibv_dealloc_pd.
@@ -237,6 +263,7 @@ pub unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd 
 /// As libibverbs' ibv_dealloc_pd.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
+    let _device = control();
     // SAFETY: the real PD behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_dealloc_pd()(real::<Pd>(pd)) };
     if result == 0 {
@@ -265,12 +292,11 @@ unsafe fn publish_mr(pd: *mut ibv_pd, real: *mut ibv_mr, access: c_uint, iova: u
         public.addr = (*real).addr;
         public.length = (*real).length;
         public.handle = (*real).handle;
-        public.lkey = (*real).lkey;
-        public.rkey = (*real).rkey;
+        (public.lkey, public.rkey) = keys::assign(((*real).lkey, (*real).rkey));
     }
     publish(Mr {
         public,
-        real,
+        real: real.into(),
         access,
         iova,
     })
@@ -287,6 +313,7 @@ pub unsafe extern "C" fn ibv_reg_mr(
     length: usize,
     access: c_int,
 ) -> *mut ibv_mr {
+    let _device = control();
     // SAFETY: the real PD behind the caller's, to libibverbs' own verb; then as publish_mr.
     unsafe {
         let real = next::ibv_reg_mr()(real::<Pd>(pd), addr, length, access);
@@ -306,6 +333,7 @@ pub unsafe extern "C" fn ibv_reg_mr_iova(
     iova: u64,
     access: c_int,
 ) -> *mut ibv_mr {
+    let _device = control();
     // SAFETY: as in ibv_reg_mr.
     unsafe {
         let real = next::ibv_reg_mr_iova()(real::<Pd>(pd), addr, length, iova, access);
@@ -325,6 +353,7 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
     iova: u64,
     access: c_uint,
 ) -> *mut ibv_mr {
+    let _device = control();
     // SAFETY: as in ibv_reg_mr.
     unsafe {
         let real = next::ibv_reg_mr_iova2()(real::<Pd>(pd), addr, length, iova, access);
@@ -338,10 +367,13 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
 /// As libibverbs' ibv_dereg_mr.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
+    let _device = control();
     // SAFETY: the real MR behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_dereg_mr()(real::<Mr>(mr)) };
     if result == 0 {
-        drop(retire::<Mr>(mr));
+        if let Some(object) = retire::<Mr>(mr) {
+            keys::forget((object.public.lkey, object.public.rkey));
+        }
     }
     result
 }
@@ -358,6 +390,7 @@ pub unsafe extern "C" fn ibv_create_cq(
     channel: *mut ibv_comp_channel,
     comp_vector: c_int,
 ) -> *mut ibv_cq {
+    let _device = control();
     if find::<Context>(context).is_none() {
         // SAFETY: not one of ours: libibverbs' own, with the caller's arguments.
         return unsafe { next::ibv_create_cq()(context, cqe, cq_context, channel, comp_vector) };
@@ -368,8 +401,9 @@ pub unsafe extern "C" fn ibv_create_cq(
     public.cq_context = cq_context;
     let virtual_cq = publish(Cq {
         public,
-        real: null_mut(),
-        receivers: Default::default(),
+        real: Default::default(),
+        comp_vector,
+        state: Default::default(),
     });
     // SAFETY: the real context and channel behind the caller's, to libibverbs' own verb.
     let real = unsafe {
@@ -388,7 +422,7 @@ pub unsafe extern "C" fn ibv_create_cq(
     // SAFETY: the virtual CQ just published, not yet handed out; the live real CQ.
     unsafe {
         let object = virtual_cq.cast::<Cq>();
-        (*object).real = real;
+        (*object).real.store(real, Ordering::Release);
         (*object).public.handle = (*real).handle;
         (*object).public.cqe = (*real).cqe;
     }
@@ -401,6 +435,7 @@ pub unsafe extern "C" fn ibv_create_cq(
 /// As libibverbs' ibv_destroy_cq.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+    let _device = control();
     // SAFETY: the real CQ behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_destroy_cq()(real::<Cq>(cq)) };
     if result == 0 {
@@ -419,6 +454,7 @@ pub unsafe extern "C" fn ibv_create_qp(
     pd: *mut ibv_pd,
     attr: *mut ibv_qp_init_attr,
 ) -> *mut ibv_qp {
+    let _device = control();
     let Some(virtual_pd) = find::<Pd>(pd) else {
         // SAFETY: not one of ours: libibverbs' own, with the caller's arguments.
         return unsafe { next::ibv_create_qp()(pd, attr) };
@@ -443,8 +479,12 @@ pub unsafe extern "C" fn ibv_create_qp(
     public.qp_type = asked.qp_type;
     let virtual_qp = publish(Qp {
         public,
-        real: null_mut(),
+        real: Default::default(),
         record: Default::default(),
+        flow: std::sync::Mutex::new(Flow {
+            sig_all: asked.sq_sig_all != 0,
+            ..Flow::default()
+        }),
     });
     let mut given = asked;
     given.qp_context = virtual_qp.cast();
@@ -461,12 +501,19 @@ pub unsafe extern "C" fn ibv_create_qp(
     unsafe {
         (*attr).cap = given.cap;
         let object = virtual_qp.cast::<Qp>();
-        (*object).real = real_qp;
+        (*object).real.store(real_qp, Ordering::Release);
         (*object).public.handle = (*real_qp).handle;
         (*object).public.qp_num = (*real_qp).qp_num;
         (*object).public.state = (*real_qp).state;
-        if let Some(cq) = find::<Cq>(asked.recv_cq) {
-            locked(&(*cq).receivers).push(((*real_qp).qp_num, virtual_qp as usize));
+        let mut init = asked;
+        init.cap = given.cap;
+        locked(&(*object).record).init = Some(init);
+        let member = Member {
+            real_qpn: (*real_qp).qp_num,
+            qp: virtual_qp as usize,
+        };
+        for cq in cqs_of(&init) {
+            locked(&(*cq).state).members.push(member);
         }
     }
     virtual_qp
@@ -483,6 +530,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
     attr: *mut ibv_qp_attr,
     mask: c_int,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_modify_qp()(real::<Qp>(qp), attr, mask) };
     if result != 0 {
@@ -494,7 +542,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
     // SAFETY: a live virtual QP and its live real QP, which libibverbs just updated; the
     // caller's attributes, which the verb just read.
     unsafe {
-        (*object).public.state = (*(*object).real).state;
+        (*object).public.state = (*objects::real::<Qp>(qp)).state;
         let mut record = locked(&(*object).record);
         record.setup.apply(&*attr, mask);
         match record.setup.state() {
@@ -521,6 +569,13 @@ pub unsafe extern "C" fn ibv_modify_qp(
     result
 }
 
+/// The virtual CQs a QP's work completes on (one when its send and receive CQs are one).
+pub fn cqs_of(init: &rdma_sys::ibv_qp_init_attr) -> Vec<*mut Cq> {
+    let send = find::<Cq>(init.send_cq);
+    let recv = find::<Cq>(init.recv_cq).filter(|r| Some(*r) != send);
+    send.into_iter().chain(recv).collect()
+}
+
 /// The mask bit of ibv_modify_qp that moves a QP to another state.
 const IBV_QP_STATE: c_int = ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int;
 
@@ -544,6 +599,7 @@ pub unsafe extern "C" fn ibv_query_qp(
     mask: c_int,
     init_attr: *mut ibv_qp_init_attr,
 ) -> c_int {
+    let _device = control();
     // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_query_qp()(real::<Qp>(qp), attr, mask, init_attr) };
     if result != 0 {
@@ -553,7 +609,7 @@ pub unsafe extern "C" fn ibv_query_qp(
         // SAFETY: a live virtual QP; the caller's init attributes, as the verb writes them.
         unsafe {
             let public = &mut (*object).public;
-            public.state = (*(*object).real).state;
+            public.state = (*objects::real::<Qp>(qp)).state;
             (*init_attr).qp_context = public.qp_context;
             (*init_attr).send_cq = public.send_cq;
             (*init_attr).recv_cq = public.recv_cq;
@@ -568,18 +624,19 @@ pub unsafe extern "C" fn ibv_query_qp(
 /// As libibverbs' ibv_destroy_qp.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
+    let _device = control();
     // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_destroy_qp()(real::<Qp>(qp)) };
     if result != 0 {
         return result;
     }
     if let Some(object) = retire::<Qp>(qp) {
-        if let Some(cq) = find::<Cq>(object.public.recv_cq) {
-            // SAFETY: a live virtual CQ: libibverbs refuses to destroy a CQ a QP still uses.
-            let mut receivers = locked(unsafe { &(*cq).receivers });
-            receivers.retain(|&(_, address)| address != qp as usize);
-        }
         let record = locked(&object.record);
+        for cq in record.init.iter().flat_map(cqs_of) {
+            // SAFETY: a live virtual CQ: libibverbs refuses to destroy a CQ a QP still uses.
+            let mut state = locked(unsafe { &(*cq).state });
+            state.members.retain(|m| m.qp != qp as usize);
+        }
         trace(format_args!(
             "qp {:#x} destroyed with {} receives outstanding{}",
             object.public.qp_num,
@@ -622,6 +679,7 @@ pub unsafe extern "C" fn ibv_get_async_event(
     context: *mut ibv_context,
     event: *mut AsyncEvent,
 ) -> c_int {
+    // Not under `control`: it blocks until an event comes.
     // SAFETY: the real context behind the caller's, to libibverbs' own verb.
     let result = unsafe { next::ibv_get_async_event()(real::<Context>(context), event.cast()) };
     if result != 0 {

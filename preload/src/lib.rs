@@ -27,16 +27,22 @@
 //! Objects created on a context this library did not make (one a library below the program
 //! opened before the preload, say) pass through untouched ([`objects::Registry`]).
 //!
-//! What is here: the virtual objects, the interposition of the verbs ibv_rc_pingpong and
-//! similar programs use, and the record of what a rebuild will need ([`record`]). What is
-//! not yet: quiesce, rebuild and resume on a new device, the
-//! exchange with the peer's library, registration with the guest agent, and librdmacm's
-//! ids. docs/preload.md has the plan and the list of supported verbs.
+//! How a move carries the program: the library registers with the guest agent ([`link`]),
+//! which asks it to quiesce and resume; [`relocate`] pauses every QP with its other end
+//! ([`peer`], through that end's agent), releases the device, and rebuilds every object on
+//! the new one from what was recorded ([`record`]), with the program's keys translated to
+//! the new ones from then on ([`keys`]). librdmacm's ids are not carried yet: a program
+//! that uses librdmacm does not register. docs/preload.md lists what is supported.
 
 pub mod exports;
+pub mod keys;
+pub mod link;
 pub mod next;
 pub mod objects;
 pub mod ops;
+pub mod peer;
 pub mod record;
+pub mod relocate;
 pub mod run;
 pub mod unsupported;
+pub mod wr;

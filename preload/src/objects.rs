@@ -11,13 +11,17 @@
 //! before it takes a pointer for one of its own: an object this library did not make (a
 //! real one, or a virtual one of another kind) is never cast.
 
-use std::collections::HashMap;
-use std::os::raw::c_uint;
+use std::collections::{HashMap, VecDeque};
+use std::os::raw::{c_int, c_uint};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use rdma_sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
+use rdma_sys::{
+    ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_qp, ibv_qp_init_attr, ibv_wc,
+};
 
 use crate::record::{QpSetup, Receives};
+use crate::wr::HeldSend;
 
 /// What a registered address is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +46,7 @@ pub trait Virtual: Sized {
     type Public;
     /// Its kind in the registry.
     const KIND: Kind;
-    /// The provider's object behind it.
+    /// The provider's object behind it: null while a move has released the device.
     fn real(&self) -> *mut Self::Public;
 }
 
@@ -52,17 +56,17 @@ pub struct Context {
     /// The program's context: the real one's device and descriptors, this library's ops.
     pub public: ibv_context,
     /// The provider's context.
-    pub real: *mut ibv_context,
+    pub real: AtomicPtr<ibv_context>,
 }
 
 /// A completion channel. Its descriptor is the real channel's, so that the number the
-/// program waits on is the kernel's.
+/// program waits on is the kernel's (a move puts the new channel's file at that number).
 #[repr(C)]
 pub struct Channel {
     /// The program's channel.
     pub public: ibv_comp_channel,
     /// The provider's channel.
-    pub real: *mut ibv_comp_channel,
+    pub real: AtomicPtr<ibv_comp_channel>,
 }
 
 /// A protection domain.
@@ -71,16 +75,17 @@ pub struct Pd {
     /// The program's PD.
     pub public: ibv_pd,
     /// The provider's PD.
-    pub real: *mut ibv_pd,
+    pub real: AtomicPtr<ibv_pd>,
 }
 
-/// A memory region. Its keys are the ones the program was given.
+/// A memory region. Its keys are the ones the program was given ([`crate::keys`] maps
+/// them to the real ones once they differ).
 #[repr(C)]
 pub struct Mr {
     /// The program's MR (its address and length are the registration's).
     pub public: ibv_mr,
     /// The provider's MR.
-    pub real: *mut ibv_mr,
+    pub real: AtomicPtr<ibv_mr>,
     /// The access flags it was registered with: with the address, length and IOVA, what
     /// registering it again on a new device takes.
     pub access: c_uint,
@@ -95,10 +100,33 @@ pub struct Cq {
     /// The program's CQ.
     pub public: ibv_cq,
     /// The provider's CQ.
-    pub real: *mut ibv_cq,
-    /// The virtual QPs whose receives complete here, by QP number (the number a
-    /// completion carries): polling records each receive completion on its QP.
-    pub receivers: Mutex<Vec<(u32, usize)>>,
+    pub real: AtomicPtr<ibv_cq>,
+    /// The completion vector it was created on.
+    pub comp_vector: c_int,
+    /// What polling shares with a move: held throughout every poll of the real CQ.
+    pub state: Mutex<CqState>,
+}
+
+/// A CQ's completions taken from the real CQ but not yet by the program, and the QPs that
+/// complete here.
+#[derive(Default)]
+pub struct CqState {
+    /// Completions a move drained from the real CQ before releasing it, oldest first: the
+    /// program gets them before any newer one.
+    pub buffer: VecDeque<ibv_wc>,
+    /// The virtual QPs whose work completes here.
+    pub members: Vec<Member>,
+    /// The program asked for a completion event (req_notify_cq): a rebuilt CQ is armed too.
+    pub armed: bool,
+}
+
+/// A QP whose work completes on a CQ: a completion's QP number is the real QP's.
+#[derive(Debug, Clone, Copy)]
+pub struct Member {
+    /// The real QP's number (what a completion carries).
+    pub real_qpn: u32,
+    /// The virtual [`Qp`]'s address.
+    pub qp: usize,
 }
 
 /// A queue pair. The real QP's `qp_context` points back here, so that an async event names
@@ -108,18 +136,60 @@ pub struct Qp {
     /// The program's QP: its number is the one the program was given.
     pub public: ibv_qp,
     /// The provider's QP.
-    pub real: *mut ibv_qp,
+    pub real: AtomicPtr<ibv_qp>,
     /// What a rebuild needs: its attributes and its outstanding receives.
     pub record: Mutex<QpRecord>,
+    /// What posting shares with a move: held throughout every post to the real QP.
+    pub flow: Mutex<Flow>,
 }
 
 /// What rebuilding a QP on a new device takes ([`crate::record`]).
 #[derive(Default)]
 pub struct QpRecord {
-    /// Its attributes, as the program set them.
+    /// The attributes it was created with (the program's CQs).
+    pub init: Option<ibv_qp_init_attr>,
+    /// Its attributes, as the program set them (the remote QP number the program's).
     pub setup: QpSetup,
+    /// The remote QP's real number, once a move of the remote end changed it.
+    pub remote_real_qpn: Option<u32>,
     /// Its receives posted and not completed.
     pub receives: Receives,
+}
+
+// SAFETY: the init attributes' pointers name the program's own objects; the record only
+// keeps them, and every use is under the record's lock.
+unsafe impl Send for QpRecord {}
+
+/// The send side of a QP, as a move sees it.
+#[derive(Default)]
+pub struct Flow {
+    /// New sends are held here, not posted: the QP is paused for a move (of either end).
+    pub held: bool,
+    /// The sends held, oldest first, posted when the pause ends.
+    pub held_sends: Vec<HeldSend>,
+    /// Signaled sends posted to the real QP, and their completions polled: a pause waits
+    /// until the two are equal.
+    pub signaled_posted: u64,
+    /// See [`Flow::signaled_posted`].
+    pub signaled_done: u64,
+    /// The last send posted was unsignaled: its completion can never be seen.
+    pub unsignaled_tail: bool,
+    /// Every WR is signaled (`sq_sig_all`).
+    pub sig_all: bool,
+    /// A send completed in error: the QP is broken, nothing is drained.
+    pub broken: bool,
+    /// The remote end's rkeys, its program's to its real ones, once a move of that end
+    /// changed them.
+    pub remote_rkeys: HashMap<u32, u32>,
+    /// Counts the pauses, so that a pause's expiry does not end a later one.
+    pub pause: u64,
+}
+
+impl Flow {
+    /// Whether every signaled send posted has completed.
+    pub fn drained(&self) -> bool {
+        self.broken || self.signaled_done >= self.signaled_posted
+    }
 }
 
 /// `mutex`'s contents. A panic while holding one of these locks cannot leave a half-made
@@ -135,7 +205,7 @@ macro_rules! virtual_kind {
             type Public = $public;
             const KIND: Kind = Kind::$object;
             fn real(&self) -> *mut $public {
-                self.real
+                self.real.load(Ordering::Acquire)
             }
         }
     )*};
@@ -154,6 +224,9 @@ virtual_kind! {
 #[derive(Default)]
 pub struct Registry {
     objects: HashMap<usize, Kind>,
+    /// Addresses in the order they were made: a move releases in reverse and rebuilds in
+    /// this order, so that every object's parents are there before it.
+    order: Vec<usize>,
 }
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
@@ -166,6 +239,16 @@ impl Registry {
     /// Records `address` as a live object of `kind`.
     pub fn insert(&mut self, address: usize, kind: Kind) {
         self.objects.insert(address, kind);
+        self.order.push(address);
+    }
+
+    /// The live objects of `kind`, oldest first.
+    pub fn all(&self, kind: Kind) -> Vec<usize> {
+        self.order
+            .iter()
+            .copied()
+            .filter(|a| self.holds(*a, kind))
+            .collect()
     }
 
     /// Whether `address` is a live object of `kind`.
@@ -177,6 +260,7 @@ impl Registry {
     pub fn remove(&mut self, address: usize, kind: Kind) -> bool {
         if self.holds(address, kind) {
             self.objects.remove(&address);
+            self.order.retain(|a| *a != address);
             true
         } else {
             false
@@ -208,6 +292,17 @@ pub fn publish<V: Virtual>(object: V) -> *mut V::Public {
         .insert(object as usize, V::KIND);
     trace(format_args!("virtual {:?} at {object:p}", V::KIND));
     object.cast()
+}
+
+/// Every live virtual object of kind `V`, oldest first.
+pub fn all<V: Virtual>() -> Vec<*mut V> {
+    registry()
+        .as_ref()
+        .map(|r| r.all(V::KIND))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| a as *mut V)
+        .collect()
 }
 
 /// The virtual object behind `public`, if this library made it and it is still live.
@@ -249,8 +344,9 @@ mod tests {
         let public: ibv_pd = unsafe { std::mem::zeroed() };
         let pd = publish(Pd {
             public,
-            real: std::ptr::null_mut(),
+            real: Default::default(),
         });
+        assert!(all::<Pd>().contains(&pd.cast::<Pd>()));
         assert_eq!(find::<Pd>(pd), Some(pd.cast::<Pd>()));
         assert_eq!(find::<Qp>(pd.cast()), None, "a PD is not a QP");
         assert!(retire::<Qp>(pd.cast()).is_none());

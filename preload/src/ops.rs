@@ -6,20 +6,31 @@
 //! cast and calls the provider's op on it. Real objects point at the provider's context and
 //! never come here.
 //!
-//! Until a move changes them, the real numbers and keys are the program's: nothing in a work
-//! request or a completion needs translating. What the data path adds is the record of the
-//! receives ([`crate::record::Receives`]): each accepted receive is noted on its QP, and
-//! each receive completion polled takes it off again.
+//! Beside the call, each op keeps what a move needs ([`crate::relocate`]):
+//! - a post holds the QP's [`Flow`] lock: while a move pauses the QP (or has released the
+//!   device) the sends are held, copied, and the receives only recorded; after a move the
+//!   requests go to the provider with the real keys ([`crate::keys`]);
+//! - a poll holds the CQ's [`CqState`] lock: it gives the completions a move drained
+//!   first, counts the send completions a pause waits for, takes each receive completion
+//!   off its QP's record ([`crate::record::Receives`]), and gives each completion the
+//!   program's QP number.
+//!
+//! Before any move and outside a pause, that is two uncontended locks and a copy of each
+//! receive's scatter list per post; nothing in a request or a completion is rewritten.
 
 use std::os::raw::c_int;
+use std::sync::atomic::Ordering;
 
 use rdma_sys::{
-    ibv_context_ops, ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_wc, ibv_wc_opcode, ibv_wc_status,
+    ibv_context_ops, ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_wc,
+    ibv_wc_opcode, ibv_wc_status,
 };
 
-use crate::objects::{locked, Cq, Qp};
+use crate::keys;
+use crate::objects::{locked, Cq, CqState, Flow, Qp};
 use crate::record::PostedReceive;
 use crate::unsupported;
+use crate::wr::{self, RecvChain};
 
 /// The ops table of a virtual context: the four data-path ops, and a refusal for each other
 /// op verbs.h still calls through the table (memory windows, SRQ receives). The `_compat_`
@@ -38,38 +49,101 @@ pub fn table() -> ibv_context_ops {
     ops
 }
 
-/// The provider's QP behind `qp`.
-///
-/// # Safety
-/// `qp` came through a virtual context's table, so it is a live virtual [`Qp`].
-unsafe fn real_qp(qp: *mut ibv_qp) -> *mut ibv_qp {
-    // SAFETY: see the function's contract: the public struct is the `Qp`'s first field.
-    unsafe { (*qp.cast::<Qp>()).real }
-}
-
-/// The provider's CQ behind `cq`.
-///
-/// # Safety
-/// `cq` came through a virtual context's table, so it is a live virtual [`Cq`].
-unsafe fn real_cq(cq: *mut ibv_cq) -> *mut ibv_cq {
-    // SAFETY: see the function's contract: the public struct is the `Cq`'s first field.
-    unsafe { (*cq.cast::<Cq>()).real }
-}
-
 unsafe extern "C" fn post_send(
     qp: *mut ibv_qp,
     wr: *mut ibv_send_wr,
     bad_wr: *mut *mut ibv_send_wr,
 ) -> c_int {
-    // SAFETY: reached through a virtual context's table: `qp` is a virtual QP, its real QP
-    // live, and the provider's context of a real QP has its ops table.
+    // SAFETY: reached through a virtual context's table: `qp` is a live virtual QP; the
+    // caller's chain is live for the call.
     unsafe {
-        let real = real_qp(qp);
+        let object = &*qp.cast::<Qp>();
+        let mut flow = locked(&object.flow);
+        let real = object.real.load(Ordering::Acquire);
+        if flow.held || real.is_null() {
+            let held = wr::copy_chain(wr);
+            flow.held_sends.extend(held);
+            return 0;
+        }
+        let Some(op) = (*(*real).context).ops.post_send else {
+            return libc::EOPNOTSUPP;
+        };
+        if !keys::translating() && flow.remote_rkeys.is_empty() {
+            let result = op(real, wr, bad_wr);
+            let refused = if result == 0 {
+                std::ptr::null_mut()
+            } else {
+                *bad_wr
+            };
+            let mut next = wr;
+            while !next.is_null() && next != refused {
+                count_posted(&mut flow, (*next).send_flags);
+                next = (*next).next;
+            }
+            return result;
+        }
+        let sends = wr::copy_chain(wr);
+        let (result, refused) = post_owned(&mut flow, real, sends);
+        if let Some(index) = refused {
+            let mut bad = wr;
+            for _ in 0..index {
+                bad = (*bad).next;
+            }
+            *bad_wr = bad;
+        }
+        result
+    }
+}
+
+/// Counts one send accepted by the provider with `flags`.
+fn count_posted(flow: &mut Flow, flags: u32) {
+    if flow.sig_all || flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0 {
+        flow.signaled_posted += 1;
+        flow.unsignaled_tail = false;
+    } else {
+        flow.unsignaled_tail = true;
+    }
+}
+
+/// Posts owned sends to `real` with the real keys; gives the provider's result and the
+/// index of the first send it refused.
+///
+/// # Safety
+/// `real` is the live real QP of the virtual QP whose `flow` is held.
+pub unsafe fn post_owned(
+    flow: &mut Flow,
+    real: *mut ibv_qp,
+    mut sends: Vec<wr::HeldSend>,
+) -> (c_int, Option<usize>) {
+    if sends.is_empty() {
+        return (0, None);
+    }
+    for send in &mut sends {
+        send.translate(keys::lkey, |rkey| {
+            flow.remote_rkeys.get(&rkey).copied().unwrap_or(rkey)
+        });
+    }
+    let sig_all = flow.sig_all;
+    let signaled: Vec<bool> = sends.iter().map(|s| s.signaled(sig_all)).collect();
+    let head = wr::link_sends(&mut sends);
+    let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+    // SAFETY: the caller's live real QP; `head` points into `sends`, alive for the call.
+    let result = unsafe {
         match (*(*real).context).ops.post_send {
-            Some(op) => op(real, wr, bad_wr),
+            Some(op) => op(real, head, &mut bad),
             None => libc::EOPNOTSUPP,
         }
+    };
+    let refused = (result != 0).then(|| wr::index_of(&sends, bad).unwrap_or(0));
+    for signaled in &signaled[..refused.unwrap_or(sends.len())] {
+        let flags = if *signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        count_posted(flow, flags);
     }
+    (result, refused)
 }
 
 unsafe extern "C" fn post_recv(
@@ -77,84 +151,167 @@ unsafe extern "C" fn post_recv(
     wr: *mut ibv_recv_wr,
     bad_wr: *mut *mut ibv_recv_wr,
 ) -> c_int {
-    // SAFETY: as in `post_send`; then the caller's chain, which the provider only read, up to
-    // the first request it refused (all of it when it accepted all).
+    // SAFETY: as in `post_send`; the provider only reads the caller's chain.
     unsafe {
-        let real = real_qp(qp);
-        let Some(op) = (*(*real).context).ops.post_recv else {
-            return libc::EOPNOTSUPP;
-        };
-        let result = op(real, wr, bad_wr);
-        let refused = if result == 0 {
-            std::ptr::null_mut()
-        } else {
-            *bad_wr
-        };
-        let mut record = locked(&(*qp.cast::<Qp>()).record);
+        let object = &*qp.cast::<Qp>();
+        let _flow = locked(&object.flow);
+        let mut posted = Vec::new();
         let mut next = wr;
-        while !next.is_null() && next != refused {
+        while !next.is_null() {
             let sges = match (*next).num_sge {
                 n if n > 0 => std::slice::from_raw_parts((*next).sg_list, n as usize).to_vec(),
                 _ => Vec::new(),
             };
-            record.receives.posted(PostedReceive {
+            posted.push(PostedReceive {
                 wr_id: (*next).wr_id,
                 sges,
             });
             next = (*next).next;
+        }
+        let real = object.real.load(Ordering::Acquire);
+        let (result, accepted) = if real.is_null() {
+            // The device is away: the rebuild posts every recorded receive.
+            (0, posted.len())
+        } else {
+            let Some(op) = (*(*real).context).ops.post_recv else {
+                return libc::EOPNOTSUPP;
+            };
+            if keys::translating() {
+                let mut chain = RecvChain::new(posted.iter(), keys::lkey);
+                let mut bad = std::ptr::null_mut();
+                let result = op(real, chain.link(), &mut bad);
+                let accepted = if result == 0 {
+                    posted.len()
+                } else {
+                    chain.accepted_before(bad)
+                };
+                if result != 0 {
+                    let mut at = wr;
+                    for _ in 0..accepted {
+                        at = (*at).next;
+                    }
+                    *bad_wr = at;
+                }
+                (result, accepted)
+            } else {
+                let result = op(real, wr, bad_wr);
+                let mut accepted = posted.len();
+                if result != 0 {
+                    accepted = 0;
+                    let mut at = wr;
+                    while !at.is_null() && at != *bad_wr {
+                        accepted += 1;
+                        at = (*at).next;
+                    }
+                }
+                (result, accepted)
+            }
+        };
+        let mut record = locked(&object.record);
+        for receive in posted.into_iter().take(accepted) {
+            record.receives.posted(receive);
         }
         result
     }
 }
 
 unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, entries: c_int, wc: *mut ibv_wc) -> c_int {
-    // SAFETY: reached through a virtual context's table: `cq` is a virtual CQ, its real CQ
-    // live, and the provider's context of a real CQ has its ops table. The provider wrote
-    // `polled` completions at `wc`.
+    // SAFETY: reached through a virtual context's table: `cq` is a live virtual CQ; `wc`
+    // has room for `entries` completions (the caller's).
     unsafe {
-        let real = real_cq(cq);
-        let Some(op) = (*(*real).context).ops.poll_cq else {
-            return -libc::EOPNOTSUPP;
-        };
-        let polled = op(real, entries, wc);
-        if polled > 0 {
-            let completions = std::slice::from_raw_parts(wc, polled as usize);
-            record_completions(&*cq.cast::<Cq>(), completions);
+        let object = &*cq.cast::<Cq>();
+        let mut state = locked(&object.state);
+        let wanted = entries.max(0) as usize;
+        let mut got = 0;
+        while got < wanted {
+            let Some(completion) = state.buffer.pop_front() else {
+                break;
+            };
+            *wc.add(got) = completion;
+            got += 1;
         }
-        polled
+        let real = object.real.load(Ordering::Acquire);
+        if got < wanted && !real.is_null() {
+            let Some(op) = (*(*real).context).ops.poll_cq else {
+                return -libc::EOPNOTSUPP;
+            };
+            let polled = op(real, (wanted - got) as c_int, wc.add(got));
+            if polled < 0 {
+                return if got > 0 { got as c_int } else { polled };
+            }
+            let fresh = std::slice::from_raw_parts_mut(wc.add(got), polled as usize);
+            account(&state, fresh);
+            got += polled as usize;
+        }
+        got as c_int
     }
 }
 
-/// Takes each receive completion off its QP's record; a failed completion (it carries no
-/// opcode, and the QP is in error) ends the tracking of its QP's receives.
-fn record_completions(cq: &Cq, completions: &[ibv_wc]) {
-    // Held throughout: a QP leaves this list before it is freed (`ibv_destroy_qp`).
-    let receivers = locked(&cq.receivers);
-    if receivers.is_empty() {
+/// Takes everything the real CQ holds into its buffer, for the program to poll later: a
+/// move does this before it releases or resets what completes there.
+pub fn drain(cq: &Cq) {
+    let mut state = locked(&cq.state);
+    let real = cq.real.load(Ordering::Acquire);
+    if real.is_null() {
         return;
     }
-    for wc in completions {
-        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
-        if ok && wc.opcode & ibv_wc_opcode::IBV_WC_RECV == 0 {
-            continue;
+    // SAFETY: all-zero is a valid ibv_wc.
+    let mut batch: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: the live real CQ (the move holds the device); room for 16.
+        let polled = unsafe {
+            match (*(*real).context).ops.poll_cq {
+                Some(op) => op(real, batch.len() as c_int, batch.as_mut_ptr()),
+                None => 0,
+            }
+        };
+        if polled <= 0 {
+            break;
         }
-        let Some(&(_, qp)) = receivers.iter().find(|(num, _)| *num == wc.qp_num) else {
+        let fresh = &mut batch[..polled as usize];
+        account(&state, fresh);
+        // SAFETY: ibv_wc is plain data: a bitwise copy is a copy.
+        state
+            .buffer
+            .extend(fresh.iter().map(|wc| unsafe { std::ptr::read(wc) }));
+    }
+}
+
+/// What each completion polled from the real CQ tells: a receive done (off its QP's
+/// record), a signaled send done (counted for a pause), or a failure (the QP broken, its
+/// receives flushed). Each completion then names the program's QP number.
+fn account(state: &CqState, completions: &mut [ibv_wc]) {
+    for wc in completions {
+        let Some(member) = state.members.iter().find(|m| m.real_qpn == wc.qp_num) else {
             continue;
         };
-        // SAFETY: a live virtual QP: see above.
-        let mut record = locked(unsafe { &(*(qp as *const Qp)).record });
-        if ok {
-            record.receives.completed(wc.wr_id);
+        // SAFETY: a member is a live virtual QP: it leaves the list before it is freed.
+        let qp = unsafe { &*(member.qp as *const Qp) };
+        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
+        let receive = wc.opcode & ibv_wc_opcode::IBV_WC_RECV != 0;
+        if !ok {
+            locked(&qp.record).receives.lose_track();
+            locked(&qp.flow).broken = true;
+        } else if receive {
+            locked(&qp.record).receives.completed(wc.wr_id);
         } else {
-            record.receives.lose_track();
+            locked(&qp.flow).signaled_done += 1;
         }
+        wc.qp_num = qp.public.qp_num;
     }
 }
 
 unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
     // SAFETY: as in `poll_cq`.
     unsafe {
-        let real = real_cq(cq);
+        let object = &*cq.cast::<Cq>();
+        let mut state = locked(&object.state);
+        state.armed = true;
+        let real = object.real.load(Ordering::Acquire);
+        if real.is_null() {
+            // Armed again on the new CQ by the rebuild.
+            return 0;
+        }
         match (*(*real).context).ops.req_notify_cq {
             Some(op) => op(real, solicited_only),
             None => libc::EOPNOTSUPP,

@@ -123,6 +123,11 @@ impl QpSetup {
         &self.attr
     }
 
+    /// A copy of [`QpSetup::attr`], to walk a new QP with.
+    pub fn attr_copy(&self) -> ibv_qp_attr {
+        copy_attr(&self.attr)
+    }
+
     /// Whether the program has set the fields `bit` names.
     pub fn has(&self, bit: ibv_qp_attr_mask) -> bool {
         self.mask & bit.0 != 0
@@ -136,6 +141,12 @@ impl QpSetup {
             ibv_qp_state::IBV_QPS_RESET
         }
     }
+}
+
+/// A copy of `attr` (plain data: integers and GIDs, which bindgen leaves without `Copy`).
+pub fn copy_attr(attr: &ibv_qp_attr) -> ibv_qp_attr {
+    // SAFETY: ibv_qp_attr holds no pointers and no ownership: a bitwise copy is a copy.
+    unsafe { std::ptr::read(attr) }
 }
 
 /// One receive the program posted: what the new QP must be given again.

@@ -6,14 +6,21 @@
 //! the QP (what a rebuild will need) holds what the program set up. A verb the library
 //! does not carry fails at the call.
 //!
-//! The move of such a program (quiesce, rebuild, resume) is not here yet: docs/preload.md.
+//! And it moves: an `ibv_rc_pingpong` client in the moving VM keeps its connection to the
+//! server on the peer through a `reconnect` move. Its library registers with the agent,
+//! pauses the server's QP through the peer's agent, lets go of the device, rebuilds every
+//! object on the new one and has the server's QP walked to the new QP; both ends complete
+//! every exchange (a lost message would stall the ping-pong, an extra one would end one
+//! side early).
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
 use std::time::Duration;
 
-use rdmamig_testbed::steps::wait_listening;
+use rdmamig_testbed::scenario::Daemon;
+use rdmamig_testbed::steps::{migrate_command, wait_listening, MoveGuests, STEP_TIMEOUT};
 use rdmamig_testbed::{error_chain, Guest, Testbed};
+use serde_json::Value;
 
 const COMMAND: Duration = Duration::from_secs(120);
 /// ibv_rc_pingpong's TCP port.
@@ -25,7 +32,7 @@ fn ibv_rc_pingpong_runs_on_virtual_verbs_objects_with_and_without_completion_eve
     let bed = Testbed::new("preload").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let (a, b) = two_guests(&bed);
     for (options, channel) in [("", false), ("-e", true)] {
-        let (server, client) = pingpong(&a, &b, options)
+        let (server, client) = pingpong(&a, &b, ITERS, options)
             .unwrap_or_else(|e| panic!("ibv_rc_pingpong {options}: {}", error_chain(&*e)));
         for (side, out) in [("server", &server), ("client", &client)] {
             eprintln!("----- {side} ({options}) -----\n{out}");
@@ -124,14 +131,15 @@ fn two_guests(bed: &Testbed) -> (Guest, Guest) {
 }
 
 /// Runs an ibv_rc_pingpong server on `a` and its client on `b`, both under rdmamig-run with
-/// `options`; returns each one's output once both ended with status 0.
+/// `iters` exchanges and `options`; returns each one's output once both ended with status 0.
 fn pingpong(
     a: &Guest,
     b: &Guest,
+    iters: u32,
     options: &str,
 ) -> Result<(String, String), Box<dyn std::error::Error>> {
     let run =
-        format!("RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- ibv_rc_pingpong -g 1 -n {ITERS} {options}");
+        format!("RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- ibv_rc_pingpong -g 1 -n {iters} {options}");
     a.run_ok(
         &format!("rm -f /tmp/pp.status; ({run} >/tmp/pp.log 2>&1; echo $? >/tmp/pp.status) &"),
         COMMAND,
@@ -151,4 +159,138 @@ fn pingpong(
         .into());
     }
     Ok((server, client.output))
+}
+
+/// How long the moved ping-pong is meant to run: longer than a move, so that the move
+/// catches it in the middle.
+const MOVED_RUN: Duration = Duration::from_secs(60);
+
+#[test]
+fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_a_move() {
+    let bed = Testbed::new("preload-move").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let MoveGuests { peer, src, dst } =
+        MoveGuests::start(&bed, "pm").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+
+    // The rate here, so that the moved run lasts about MOVED_RUN whatever the machine.
+    let (_, client) = pingpong(&peer, &src, ITERS, "")
+        .unwrap_or_else(|e| panic!("the rate's ping-pong: {}", error_chain(&*e)));
+    let seconds: f64 = client
+        .lines()
+        .find_map(|l| l.split(" iters in ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in:\n{client}"));
+    let iters = ((f64::from(ITERS) / seconds.max(1e-3)) * MOVED_RUN.as_secs_f64()) as u32;
+    let iters = iters.clamp(2 * ITERS, 2_000_000);
+    eprintln!("{ITERS} iters in {seconds} s: the moved run does {iters}");
+
+    let run = format!("RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- ibv_rc_pingpong -g 1 -n {iters}");
+    background(&peer, &run, "server");
+    wait_listening(&peer, PINGPONG_PORT).unwrap();
+    background(&src, &format!("{run} {}", peer.spec().address()), "client");
+    // Both registered, the QP in RTS: the ping-pong is under way.
+    for (guest, side) in [(&src, "client"), (&peer, "server")] {
+        wait_for_line(guest, side, "registered with the agent")
+            .and_then(|_| wait_for_line(guest, side, "recorded at RTS"))
+            .unwrap_or_else(|e| panic!("{side}: {e}"));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+
+    let report_path = bed.dir().join("move.json");
+    let out = migrate_command(daemon.socket(), &src, &dst)
+        .args(["--strategy", "reconnect", "--report"])
+        .arg(&report_path)
+        .output()
+        .unwrap();
+    eprintln!(
+        "---- move:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    src.kill();
+    dst.reattach_console().unwrap();
+    let vm = dst;
+    let client = finished(&vm, "client");
+    let server = finished(&peer, "server");
+    eprintln!("----- client -----\n{client}\n----- server -----\n{server}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the move did not complete: {report:#}"
+    );
+    assert_eq!(
+        report["unmanaged"].as_array().map(Vec::len),
+        Some(0),
+        "the program was not managed: {report:#}"
+    );
+    for (side, out) in [("client", &client), ("server", &server)] {
+        assert!(
+            out.contains(&format!("{iters} iters in")) && out.trim_end().ends_with("status 0"),
+            "{side} did not complete every exchange:\n{out}"
+        );
+    }
+    for line in [
+        "paused with its peer",
+        "released the device",
+        "rebuilt as real qp",
+    ] {
+        assert!(client.contains(line), "client: no {line:?}:\n{client}");
+    }
+    for line in ["Pause", "Reconnect"] {
+        assert!(
+            server
+                .lines()
+                .any(|l| l.contains(line) && l.contains(": Ok(())")),
+            "server: no {line} done:\n{server}"
+        );
+    }
+}
+
+/// Runs `command` in the background in `guest`, its output in `/tmp/pp-<log>.log` and its
+/// status in `/tmp/pp-<log>.status`.
+fn background(guest: &Guest, command: &str, log: &str) {
+    guest
+        .run_ok(
+            &format!(
+                "rm -f /tmp/pp-{log}.status; \
+                 ({command} >/tmp/pp-{log}.log 2>&1; echo $? >/tmp/pp-{log}.status) &"
+            ),
+            STEP_TIMEOUT,
+        )
+        .unwrap();
+}
+
+/// Waits (30 s at most) until `/tmp/pp-<log>.log` in `guest` has a line with `text`.
+fn wait_for_line(guest: &Guest, log: &str, text: &str) -> Result<(), String> {
+    let out = guest
+        .run(
+            &format!(
+                "i=0; until grep -q '{text}' /tmp/pp-{log}.log; do \
+                   i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done"
+            ),
+            STEP_TIMEOUT,
+        )
+        .map_err(|e| e.to_string())?;
+    if out.status == 0 {
+        return Ok(());
+    }
+    let log = guest.run(&format!("cat /tmp/pp-{log}.log"), STEP_TIMEOUT);
+    Err(format!("no {text:?} in 30 s: {log:?}"))
+}
+
+/// Waits (5 minutes at most) until `/tmp/pp-<log>` in `guest` has ended; returns its output
+/// and `status N`.
+fn finished(guest: &Guest, log: &str) -> String {
+    let out = guest
+        .run(
+            &format!(
+                "i=0; until [ -f /tmp/pp-{log}.status ]; do i=$((i+1)); [ $i -gt 3000 ] && break; \
+                   sleep 0.1; done; cat /tmp/pp-{log}.log; echo status $(cat /tmp/pp-{log}.status)"
+            ),
+            Duration::from_secs(330),
+        )
+        .unwrap();
+    out.output
 }
