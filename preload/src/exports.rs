@@ -25,7 +25,7 @@ use crate::objects::{
 };
 use crate::relocate::control;
 use crate::unsupported::refuse;
-use crate::{keys, link, next, ops};
+use crate::{events, keys, link, next, ops};
 
 /// A zeroed public struct: every verbs.h struct here is plain data (pointers, integers, and
 /// pthread objects whose all-zero value is their static initializer on glibc).
@@ -194,34 +194,8 @@ pub unsafe extern "C" fn ibv_get_cq_event(
         // SAFETY: not one of ours: libibverbs' own, with the caller's arguments.
         return unsafe { next::ibv_get_cq_event()(channel, cq, cq_context) };
     }
-    let mut real_cq = null_mut();
-    let mut real_context = null_mut();
-    let mut real_channel = real::<Channel>(channel);
-    while real_channel.is_null() {
-        // A move has the device away: the event comes from the rebuilt channel.
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        real_channel = real::<Channel>(channel);
-    }
-    // SAFETY: the real channel behind the caller's; the out-pointers are ours.
-    let result = unsafe { next::ibv_get_cq_event()(real_channel, &mut real_cq, &mut real_context) };
-    if result != 0 {
-        return result;
-    }
-    // The real CQ was created with its virtual CQ as its context.
-    let virtual_cq = real_context.cast::<ibv_cq>();
-    match find::<Cq>(virtual_cq) {
-        // SAFETY: a live virtual CQ; the out-pointers are the caller's, as the verb takes them.
-        Some(object) => unsafe {
-            *cq = virtual_cq;
-            *cq_context = (*object).public.cq_context;
-        },
-        // SAFETY: a CQ some other path made: what libibverbs said, unchanged.
-        None => unsafe {
-            *cq = real_cq;
-            *cq_context = real_context;
-        },
-    }
-    0
+    // SAFETY: a live virtual channel; the out-pointers are the caller's.
+    unsafe { events::next_event(channel, cq, cq_context) }
 }
 
 /// ibv_ack_cq_events.
@@ -230,9 +204,12 @@ pub unsafe extern "C" fn ibv_get_cq_event(
 /// As libibverbs' ibv_ack_cq_events.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, events: c_uint) {
-    let _device = control();
-    // SAFETY: the real CQ behind the caller's, to libibverbs' own verb.
-    unsafe { next::ibv_ack_cq_events()(real::<Cq>(cq), events) }
+    match find::<Cq>(cq) {
+        // SAFETY: a live virtual CQ.
+        Some(object) => events::ack(unsafe { &*object }, events),
+        // SAFETY: not one of ours: libibverbs' own, with the caller's arguments.
+        None => unsafe { next::ibv_ack_cq_events()(cq, events) },
+    }
 }
 
 /// ibv_alloc_pd.

@@ -31,9 +31,11 @@
 //! which asks it to quiesce and resume; [`relocate`] pauses every QP with its other end
 //! ([`peer`], through that end's agent), releases the device, and rebuilds every object on
 //! the new one from what was recorded ([`record`]), with the program's keys translated to
-//! the new ones from then on ([`keys`]). librdmacm's ids are not carried yet: a program
+//! the new ones from then on ([`keys`]); a program sleeping on completion events wakes
+//! across it ([`events`]). librdmacm's ids are not carried yet: a program
 //! that uses librdmacm does not register. docs/preload.md lists what is supported.
 
+pub mod events;
 pub mod exports;
 pub mod keys;
 pub mod link;

@@ -116,8 +116,11 @@ pub struct CqState {
     pub buffer: VecDeque<ibv_wc>,
     /// The virtual QPs whose work completes here.
     pub members: Vec<Member>,
-    /// The program asked for a completion event (req_notify_cq): a rebuilt CQ is armed too.
+    /// The program asked for a completion event (req_notify_cq) and has not had it yet: a
+    /// rebuilt CQ is armed too.
     pub armed: bool,
+    /// Events the current real CQ delivered that no ack took yet ([`crate::events`]).
+    pub unacked: std::os::raw::c_uint,
 }
 
 /// A QP whose work completes on a CQ: a completion's QP number is the real QP's.

@@ -39,7 +39,7 @@ use crate::objects::{self, locked, trace, Channel, Context, Cq, Mr, Pd, Qp};
 use crate::peer::{self, PeerError};
 use crate::record::{copy_attr, Receives};
 use crate::wr::RecvChain;
-use crate::{keys, next, ops};
+use crate::{events, keys, next, ops};
 
 /// Why a move of the program's objects failed.
 #[derive(Debug, Error)]
@@ -369,10 +369,14 @@ fn release(qps: &[Carried]) -> HashMap<usize, [u8; 16]> {
         // SAFETY: a live virtual CQ.
         let cq = unsafe { &*cq };
         ops::drain(cq);
-        let _state = locked(&cq.state);
+        let mut state = locked(&cq.state);
         let real = cq.real.swap(std::ptr::null_mut(), Ordering::AcqRel);
-        // SAFETY: the real CQ, drained, with no QP left on it.
-        warn_failed("ibv_destroy_cq", unsafe { next::ibv_destroy_cq()(real) });
+        // SAFETY: the real CQ, drained, with no QP left on it; its events acknowledged
+        // first, or its destroy would wait for the program's acks.
+        unsafe {
+            events::ack_all(real, &mut state.unacked);
+            warn_failed("ibv_destroy_cq", next::ibv_destroy_cq()(real));
+        }
     }
     for mr in objects::all::<Mr>() {
         // SAFETY: a live virtual MR.

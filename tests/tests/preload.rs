@@ -7,11 +7,12 @@
 //! does not carry fails at the call.
 //!
 //! And it moves: an `ibv_rc_pingpong` client in the moving VM keeps its connection to the
-//! server on the peer through a `reconnect` move. Its library registers with the agent,
-//! pauses the server's QP through the peer's agent, lets go of the device, rebuilds every
-//! object on the new one and has the server's QP walked to the new QP; both ends complete
-//! every exchange (a lost message would stall the ping-pong, an extra one would end one
-//! side early).
+//! server on the peer through a `reconnect` move, polling, then back again with completion
+//! events (asleep in ibv_get_cq_event while the move takes its channel away). Its library
+//! registers with the agent, pauses the server's QP through the peer's agent, lets go of
+//! the device, rebuilds every object on the new one and has the server's QP walked to the
+//! new QP; both ends complete every exchange (a lost message would stall the ping-pong, an
+//! extra one would end one side early).
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -161,50 +162,76 @@ fn pingpong(
     Ok((server, client.output))
 }
 
-/// How long the moved ping-pong is meant to run: longer than a move, so that the move
+/// How long a moved ping-pong is meant to run: longer than a move, so that the move
 /// catches it in the middle.
-const MOVED_RUN: Duration = Duration::from_secs(60);
+const MOVED_RUN: Duration = Duration::from_secs(30);
 
 #[test]
-fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_a_move() {
+fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_moves() {
     let bed = Testbed::new("preload-move").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let MoveGuests { peer, src, dst } =
         MoveGuests::start(&bed, "pm").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    // Polling, then back with completion events (the program sleeps in ibv_get_cq_event
+    // while the move takes its channel away).
+    let vm = moved_pingpong(&bed, &daemon, &peer, src, dst, "");
+    let back = bed
+        .start_incoming(bed.incoming_spec(vm.spec(), "pm-back").unwrap())
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    moved_pingpong(&bed, &daemon, &peer, vm, back, "-e");
+}
 
+/// Runs an ibv_rc_pingpong server on `peer` and its client on `src`, both under rdmamig-run
+/// with `options`, moves `src` to `dst` in the middle, and checks that both completed every
+/// exchange; returns the VM where it arrived.
+fn moved_pingpong(
+    bed: &Testbed,
+    daemon: &Daemon,
+    peer: &Guest,
+    src: Guest,
+    dst: Guest,
+    options: &str,
+) -> Guest {
+    let round = if options.is_empty() { "poll" } else { "events" };
     // The rate here, so that the moved run lasts about MOVED_RUN whatever the machine.
-    let (_, client) = pingpong(&peer, &src, ITERS, "")
-        .unwrap_or_else(|e| panic!("the rate's ping-pong: {}", error_chain(&*e)));
+    let (_, client) = pingpong(peer, &src, ITERS, options)
+        .unwrap_or_else(|e| panic!("{round}: the rate's ping-pong: {}", error_chain(&*e)));
     let seconds: f64 = client
         .lines()
         .find_map(|l| l.split(" iters in ").nth(1))
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no duration in:\n{client}"));
+        .unwrap_or_else(|| panic!("{round}: no duration in:\n{client}"));
     let iters = ((f64::from(ITERS) / seconds.max(1e-3)) * MOVED_RUN.as_secs_f64()) as u32;
     let iters = iters.clamp(2 * ITERS, 2_000_000);
-    eprintln!("{ITERS} iters in {seconds} s: the moved run does {iters}");
+    eprintln!("{round}: {ITERS} iters in {seconds} s: the moved run does {iters}");
 
-    let run = format!("RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- ibv_rc_pingpong -g 1 -n {iters}");
-    background(&peer, &run, "server");
-    wait_listening(&peer, PINGPONG_PORT).unwrap();
-    background(&src, &format!("{run} {}", peer.spec().address()), "client");
+    let (server_log, client_log) = (format!("server-{round}"), format!("client-{round}"));
+    let run =
+        format!("RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- ibv_rc_pingpong -g 1 -n {iters} {options}");
+    background(peer, &run, &server_log);
+    wait_listening(peer, PINGPONG_PORT).unwrap();
+    background(
+        &src,
+        &format!("{run} {}", peer.spec().address()),
+        &client_log,
+    );
     // Both registered, the QP in RTS: the ping-pong is under way.
-    for (guest, side) in [(&src, "client"), (&peer, "server")] {
-        wait_for_line(guest, side, "registered with the agent")
-            .and_then(|_| wait_for_line(guest, side, "recorded at RTS"))
-            .unwrap_or_else(|e| panic!("{side}: {e}"));
+    for (guest, log) in [(&src, &client_log), (peer, &server_log)] {
+        wait_for_line(guest, log, "registered with the agent")
+            .and_then(|_| wait_for_line(guest, log, "recorded at RTS"))
+            .unwrap_or_else(|e| panic!("{log}: {e}"));
     }
     std::thread::sleep(Duration::from_secs(2));
 
-    let report_path = bed.dir().join("move.json");
+    let report_path = bed.dir().join(format!("move-{round}.json"));
     let out = migrate_command(daemon.socket(), &src, &dst)
         .args(["--strategy", "reconnect", "--report"])
         .arg(&report_path)
         .output()
         .unwrap();
     eprintln!(
-        "---- move:\n{}\n{}",
+        "---- move ({round}):\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -212,23 +239,23 @@ fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_a_move() {
     src.kill();
     dst.reattach_console().unwrap();
     let vm = dst;
-    let client = finished(&vm, "client");
-    let server = finished(&peer, "server");
-    eprintln!("----- client -----\n{client}\n----- server -----\n{server}");
+    let client = finished(&vm, &client_log);
+    let server = finished(peer, &server_log);
+    eprintln!("----- {client_log} -----\n{client}\n----- {server_log} -----\n{server}");
     assert_eq!(
         out.status.code(),
         Some(0),
-        "the move did not complete: {report:#}"
+        "{round}: the move did not complete: {report:#}"
     );
     assert_eq!(
         report["unmanaged"].as_array().map(Vec::len),
         Some(0),
-        "the program was not managed: {report:#}"
+        "{round}: the program was not managed: {report:#}"
     );
-    for (side, out) in [("client", &client), ("server", &server)] {
+    for (log, out) in [(&client_log, &client), (&server_log, &server)] {
         assert!(
             out.contains(&format!("{iters} iters in")) && out.trim_end().ends_with("status 0"),
-            "{side} did not complete every exchange:\n{out}"
+            "{log} did not complete every exchange:\n{out}"
         );
     }
     for line in [
@@ -236,16 +263,20 @@ fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_a_move() {
         "released the device",
         "rebuilt as real qp",
     ] {
-        assert!(client.contains(line), "client: no {line:?}:\n{client}");
+        assert!(
+            client.contains(line),
+            "{client_log}: no {line:?}:\n{client}"
+        );
     }
     for line in ["Pause", "Reconnect"] {
         assert!(
             server
                 .lines()
                 .any(|l| l.contains(line) && l.contains(": Ok(())")),
-            "server: no {line} done:\n{server}"
+            "{server_log}: no {line} done:\n{server}"
         );
     }
+    vm
 }
 
 /// Runs `command` in the background in `guest`, its output in `/tmp/pp-<log>.log` and its
