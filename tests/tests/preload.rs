@@ -12,7 +12,8 @@
 //! registers with the agent, pauses the server's QP through the peer's agent, lets go of
 //! the device, rebuilds every object on the new one and has the server's QP walked to the
 //! new QP; both ends complete every exchange (a lost message would stall the ping-pong, an
-//! extra one would end one side early).
+//! extra one would end one side early). Beside it in the first move runs a copy not under
+//! rdmamig-run: the move's `--unmanaged release` ends that one, and only that one.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -172,8 +173,9 @@ fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_moves() {
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let MoveGuests { peer, src, dst } =
         MoveGuests::start(&bed, "pm").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    // Polling, then back with completion events (the program sleeps in ibv_get_cq_event
-    // while the move takes its channel away).
+    // Polling, beside a copy not under rdmamig-run (released by the move's policy), then
+    // back with completion events (the program sleeps in ibv_get_cq_event while the move
+    // takes its channel away).
     let vm = moved_pingpong(&bed, &daemon, &peer, src, dst, "");
     let back = bed
         .start_incoming(bed.incoming_spec(vm.spec(), "pm-back").unwrap())
@@ -183,7 +185,8 @@ fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_moves() {
 
 /// Runs an ibv_rc_pingpong server on `peer` and its client on `src`, both under rdmamig-run
 /// with `options`, moves `src` to `dst` in the middle, and checks that both completed every
-/// exchange; returns the VM where it arrived.
+/// exchange; returns the VM where it arrived. Polling, an unpreloaded copy runs beside it,
+/// and the move, told `--unmanaged release`, must end that one and only that one.
 fn moved_pingpong(
     bed: &Testbed,
     daemon: &Daemon,
@@ -222,11 +225,18 @@ fn moved_pingpong(
             .and_then(|_| wait_for_line(guest, log, "recorded at RTS"))
             .unwrap_or_else(|e| panic!("{log}: {e}"));
     }
+    let unpreloaded = options.is_empty().then(|| unpreloaded_copy(peer, &src));
     std::thread::sleep(Duration::from_secs(2));
 
     let report_path = bed.dir().join(format!("move-{round}.json"));
     let out = migrate_command(daemon.socket(), &src, &dst)
-        .args(["--strategy", "reconnect", "--report"])
+        .args([
+            "--strategy",
+            "reconnect",
+            "--unmanaged",
+            "release",
+            "--report",
+        ])
         .arg(&report_path)
         .output()
         .unwrap();
@@ -247,11 +257,15 @@ fn moved_pingpong(
         Some(0),
         "{round}: the move did not complete: {report:#}"
     );
-    assert_eq!(
-        report["unmanaged"].as_array().map(Vec::len),
-        Some(0),
-        "{round}: the program was not managed: {report:#}"
-    );
+    // The preloaded program is managed; only the unpreloaded copy is not, and it was ended.
+    let unmanaged: Vec<(u64, &str)> = report["unmanaged"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{round}: no unmanaged list: {report:#}"))
+        .iter()
+        .map(|p| (p["pid"].as_u64().unwrap(), p["fate"].as_str().unwrap()))
+        .collect();
+    let expected: Vec<(u64, &str)> = unpreloaded.iter().map(|pid| (*pid, "ended")).collect();
+    assert_eq!(unmanaged, expected, "{round}: {report:#}");
     for (log, out) in [(&client_log, &client), (&server_log, &server)] {
         assert!(
             out.contains(&format!("{iters} iters in")) && out.trim_end().ends_with("status 0"),
@@ -277,6 +291,36 @@ fn moved_pingpong(
         );
     }
     vm
+}
+
+/// The port of the unpreloaded copy's server.
+const UNPRELOADED_PORT: u16 = 18516;
+
+/// Starts an ibv_rc_pingpong pair not under rdmamig-run, its server on `peer` and its
+/// client in `vm`, with no end; returns the client's PID once it has its device open.
+fn unpreloaded_copy(peer: &Guest, vm: &Guest) -> u64 {
+    let run = format!("ibv_rc_pingpong -g 1 -p {UNPRELOADED_PORT} -n 1000000000");
+    peer.run_ok(
+        &format!("{run} >/tmp/pp-plain-server.log 2>&1 &"),
+        STEP_TIMEOUT,
+    )
+    .unwrap();
+    wait_listening(peer, UNPRELOADED_PORT).unwrap();
+    let out = vm
+        .run_ok(
+            &format!(
+                "{run} {} >/tmp/pp-plain-client.log 2>&1 & pid=$!; echo pid $pid; \
+                 i=0; until ls -l /proc/$pid/fd 2>/dev/null | grep -q /dev/infiniband; do \
+                   kill -0 $pid || exit 1; i=$((i+1)); [ $i -gt 200 ] && exit 1; sleep 0.05; done",
+                peer.spec().address()
+            ),
+            STEP_TIMEOUT,
+        )
+        .unwrap_or_else(|e| panic!("the unpreloaded copy did not start: {e}"));
+    out.lines()
+        .find_map(|l| l.trim().strip_prefix("pid "))
+        .and_then(|pid| pid.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no PID for the unpreloaded copy: {out}"))
 }
 
 /// Runs `command` in the background in `guest`, its output in `/tmp/pp-<log>.log` and its
