@@ -280,10 +280,21 @@ pub fn tracing() -> bool {
     *ON.get_or_init(|| std::env::var_os(TRACE_ENV).is_some_and(|v| v != "0"))
 }
 
-/// Writes `what` on stderr, naming this library and the process, if [`tracing`].
+/// Writes `what` on stderr, naming this library and the process, with the time of day
+/// (UTC, to the millisecond; two guests' clocks agree only roughly), if [`tracing`].
 pub fn trace(what: std::fmt::Arguments) {
     if tracing() {
-        eprintln!("rdmamig-preload[{}]: {what}", std::process::id());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let (secs, ms) = (now.as_secs() % 86_400, now.subsec_millis());
+        eprintln!(
+            "rdmamig-preload[{}] {:02}:{:02}:{:02}.{ms:03}: {what}",
+            std::process::id(),
+            secs / 3600,
+            secs / 60 % 60,
+            secs % 60
+        );
     }
 }
 

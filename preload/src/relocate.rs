@@ -280,6 +280,11 @@ pub fn quiesce(deadline: Instant) -> Result<(), MoveError> {
             .copied()
             .filter(|qp| qp.state() == ibv_qp_state::IBV_QPS_RTS)
             .collect();
+        trace(format_args!(
+            "quiesce: {} QPs, {} connected",
+            qps.len(),
+            live.len()
+        ));
         for qp in &qps {
             if qp.state() == ibv_qp_state::IBV_QPS_RTR {
                 return Err(MoveError::Unsupported {
@@ -470,6 +475,7 @@ pub fn resume(deadline: Instant) -> Result<(), MoveError> {
                 Ok(())
             }
             Phase::Released(gids) => {
+                trace(format_args!("resume: rebuilding on the new device"));
                 let rebuilt = rebuild(&gids, deadline);
                 open_gate();
                 rebuilt
@@ -580,6 +586,9 @@ fn rebuild(gids: &HashMap<usize, [u8; 16]>, deadline: Instant) -> Result<(), Mov
     for context in objects::all::<Context>() {
         let gid = gids.get(&(context as usize)).copied();
         let (real, index) = open_device_with(gid, deadline)?;
+        trace(format_args!(
+            "opened the new device (source GID at index {index})"
+        ));
         gid_index.insert(context as usize, index);
         // SAFETY: a live virtual context and the real one just opened; the program's
         // descriptor numbers get the new files.
@@ -821,6 +830,10 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
                 gid: unsafe { gid.raw },
                 rkeys: keys::rkeys(),
             };
+            trace(format_args!(
+                "qp {:#x}: asking its peer at {ip} to reconnect",
+                qp.number()
+            ));
             peer::ask(ip, &reconnect, deadline).map_err(|source| MoveError::Peer {
                 qp: qp.number(),
                 step: "reconnect",
