@@ -70,38 +70,59 @@ pub fn ip_of(gid: [u8; 16]) -> IpAddr {
 
 /// Sends `request` to the agent at `ip` and waits for the answer until `deadline`.
 pub fn ask(ip: IpAddr, request: &PeerRequest, deadline: Instant) -> Result<(), PeerError> {
-    let addr = SocketAddr::new(ip, PEER_PORT);
-    let left = || {
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1))
-    };
-    let mut stream = TcpStream::connect_timeout(&addr, left().min(CONNECT_TIMEOUT))
-        .map_err(|source| PeerError::Connect { addr, source })?;
-    let io = |source| PeerError::Io { addr, source };
-    stream.set_write_timeout(Some(left())).map_err(io)?;
-    stream.write_all(&Frame::encode(request)).map_err(io)?;
-    let mut frames = FrameBuffer::new();
-    let mut buf = [0u8; 1024];
-    loop {
-        match frames.pop() {
-            Ok(frame) => {
-                return match frame.decode().map_err(PeerError::Frame)? {
-                    PeerAnswer::Done => Ok(()),
-                    PeerAnswer::NotMine => Err(PeerError::NotMine),
-                    PeerAnswer::Failed { reason } => Err(PeerError::Failed(reason)),
+    Link::connect(ip, deadline)?.ask(request, deadline)
+}
+
+/// A connection to the other end's agent, for one request.
+pub struct Link {
+    stream: TcpStream,
+    addr: SocketAddr,
+}
+
+impl Link {
+    /// Connects to the agent at `ip`, within [`CONNECT_TIMEOUT`] and `deadline`.
+    pub fn connect(ip: IpAddr, deadline: Instant) -> Result<Link, PeerError> {
+        let addr = SocketAddr::new(ip, PEER_PORT);
+        let stream = TcpStream::connect_timeout(&addr, left(deadline).min(CONNECT_TIMEOUT))
+            .map_err(|source| PeerError::Connect { addr, source })?;
+        Ok(Link { stream, addr })
+    }
+
+    /// Sends `request` and waits for the answer until `deadline`.
+    pub fn ask(self, request: &PeerRequest, deadline: Instant) -> Result<(), PeerError> {
+        let Link { mut stream, addr } = self;
+        let io = |source| PeerError::Io { addr, source };
+        stream.set_write_timeout(Some(left(deadline))).map_err(io)?;
+        stream.write_all(&Frame::encode(request)).map_err(io)?;
+        let mut frames = FrameBuffer::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            match frames.pop() {
+                Ok(frame) => {
+                    return match frame.decode().map_err(PeerError::Frame)? {
+                        PeerAnswer::Done => Ok(()),
+                        PeerAnswer::NotMine => Err(PeerError::NotMine),
+                        PeerAnswer::Failed { reason } => Err(PeerError::Failed(reason)),
+                    }
                 }
+                Err(FrameError::Incomplete { .. }) => {}
+                Err(e) => return Err(PeerError::Frame(e)),
             }
-            Err(FrameError::Incomplete { .. }) => {}
-            Err(e) => return Err(PeerError::Frame(e)),
-        }
-        stream.set_read_timeout(Some(left())).map_err(io)?;
-        match stream.read(&mut buf) {
-            Ok(0) => return Err(io(std::io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => frames.push(&buf[..n]),
-            Err(e) => return Err(io(e)),
+            stream.set_read_timeout(Some(left(deadline))).map_err(io)?;
+            match stream.read(&mut buf) {
+                Ok(0) => return Err(io(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => frames.push(&buf[..n]),
+                Err(e) => return Err(io(e)),
+            }
         }
     }
+}
+
+/// What is left until `deadline` (a millisecond at least: a zero timeout means none).
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
 }
 
 /// The virtual QP `request` is about: numbered as it says, its remote end the requester's

@@ -668,6 +668,7 @@ fn rebuild(gids: &HashMap<usize, [u8; 16]>, deadline: Instant) -> Result<(), Mov
             (*cq).real.store(real, Ordering::Release);
         }
     }
+    trace(format_args!("PDs, MRs, channels and CQs made again"));
     for qp in carried() {
         let index = gid_index
             .get(&(qp.qp().public.context as usize))
@@ -783,6 +784,10 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
         // SAFETY: the live real QP just made.
         unsafe { walk(real, &attr, ibv_qp_state::IBV_QPS_INIT, INIT_MASK)? };
     }
+    trace(format_args!(
+        "qp {:#x}: made again as real qp {real_qpn:#x}, in INIT",
+        qp.number()
+    ));
     {
         // The receives go on before the peer can send; from here the program's posts go
         // to the new QP (its sends still held).
@@ -806,9 +811,17 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
             attr.ah_attr.grh.sgid_index = gid_index;
             let mut rtr = copy_attr(&attr);
             rtr.dest_qp_num = remote_real.unwrap_or(attr.dest_qp_num);
+            let (ip, remote) = qp.remote();
+            // Connected before the walk to RTR, which needs the peer's link-layer address:
+            // on the new NIC the connection resolves it, where the RTR alone waited about
+            // a second for it (2026-12-07, Soft-RoCE).
+            let link = peer::Link::connect(ip, deadline).map_err(|source| MoveError::Peer {
+                qp: qp.number(),
+                step: "reconnect",
+                source,
+            })?;
             // SAFETY: the live real QP just made.
             unsafe { walk(real, &rtr, ibv_qp_state::IBV_QPS_RTR, RTR_MASK)? };
-            let (ip, remote) = qp.remote();
             // SAFETY: all-zero is a valid GID.
             let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
             // SAFETY: the rebuilt context; the GID is ours.
@@ -834,11 +847,12 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
                 "qp {:#x}: asking its peer at {ip} to reconnect",
                 qp.number()
             ));
-            peer::ask(ip, &reconnect, deadline).map_err(|source| MoveError::Peer {
-                qp: qp.number(),
-                step: "reconnect",
-                source,
-            })?;
+            link.ask(&reconnect, deadline)
+                .map_err(|source| MoveError::Peer {
+                    qp: qp.number(),
+                    step: "reconnect",
+                    source,
+                })?;
             // SAFETY: the live real QP just made.
             unsafe { walk(real, &attr, ibv_qp_state::IBV_QPS_RTS, RTS_MASK)? };
             let mut record = locked(&object.record);
