@@ -8,7 +8,7 @@
 //! [`PAUSE_LIMIT`] without a reconnect, the held sends go to the old QP, and the program
 //! meets the error it would have met without this library.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream};
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering;
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::{ibv_qp_attr_mask, ibv_qp_state};
 use rdmamig_proto::preload::{PeerAnswer, PeerRequest, PEER_PORT};
-use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+use rdmamig_proto::{read_message, Frame, ReadError};
 use thiserror::Error;
 
 use crate::objects::{self, locked, trace, Qp};
@@ -42,18 +42,24 @@ pub enum PeerError {
         #[source]
         source: std::io::Error,
     },
-    /// Its agent did not answer in time, or the connection broke.
-    #[error("its agent at {addr} did not answer")]
-    Io {
+    /// The request could not be sent.
+    #[error("cannot send to its agent at {addr}")]
+    Send {
         /// Where.
         addr: SocketAddr,
         /// The cause.
         #[source]
         source: std::io::Error,
     },
-    /// The answer is not one.
-    #[error("its agent's answer is not one")]
-    Frame(#[source] FrameError),
+    /// Its agent gave no answer in time, or none that is one.
+    #[error("no answer from its agent at {addr}")]
+    Answer {
+        /// Where.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: ReadError,
+    },
     /// No process there holds the QP connected to this one.
     #[error("no program there holds that QP connected to this one (is it under rdmamig-run?)")]
     NotMine,
@@ -91,29 +97,17 @@ impl Link {
     /// Sends `request` and waits for the answer until `deadline`.
     pub fn ask(self, request: &PeerRequest, deadline: Instant) -> Result<(), PeerError> {
         let Link { mut stream, addr } = self;
-        let io = |source| PeerError::Io { addr, source };
-        stream.set_write_timeout(Some(left(deadline))).map_err(io)?;
-        stream.write_all(&Frame::encode(request)).map_err(io)?;
-        let mut frames = FrameBuffer::new();
-        let mut buf = [0u8; 1024];
-        loop {
-            match frames.pop() {
-                Ok(frame) => {
-                    return match frame.decode().map_err(PeerError::Frame)? {
-                        PeerAnswer::Done => Ok(()),
-                        PeerAnswer::NotMine => Err(PeerError::NotMine),
-                        PeerAnswer::Failed { reason } => Err(PeerError::Failed(reason)),
-                    }
-                }
-                Err(FrameError::Incomplete { .. }) => {}
-                Err(e) => return Err(PeerError::Frame(e)),
-            }
-            stream.set_read_timeout(Some(left(deadline))).map_err(io)?;
-            match stream.read(&mut buf) {
-                Ok(0) => return Err(io(std::io::ErrorKind::UnexpectedEof.into())),
-                Ok(n) => frames.push(&buf[..n]),
-                Err(e) => return Err(io(e)),
-            }
+        let send = |source| PeerError::Send { addr, source };
+        stream
+            .set_write_timeout(Some(left(deadline)))
+            .map_err(send)?;
+        stream.write_all(&Frame::encode(request)).map_err(send)?;
+        let answer = read_message(&mut stream, deadline)
+            .map_err(|source| PeerError::Answer { addr, source })?;
+        match answer {
+            PeerAnswer::Done => Ok(()),
+            PeerAnswer::NotMine => Err(PeerError::NotMine),
+            PeerAnswer::Failed { reason } => Err(PeerError::Failed(reason)),
         }
     }
 }
@@ -334,7 +328,10 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(err, PeerError::Connect { .. } | PeerError::Io { .. }),
+            matches!(
+                err,
+                PeerError::Connect { .. } | PeerError::Send { .. } | PeerError::Answer { .. }
+            ),
             "{err}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));

@@ -4,6 +4,13 @@
 //! Decoding is split into a cheap [`check`] that says whether a whole frame is buffered
 //! (or why the bytes can never be a frame) and a parse of the payload. The buffer only
 //! advances after a successful check, so a partial read never loses bytes.
+//!
+//! [`read_message`] reads one message from a blocking stream by a deadline, for channels
+//! that carry one request and one answer per connection.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::time::Instant;
 
 use serde::{de::DeserializeOwned, Serialize};
 use thiserror::Error;
@@ -201,6 +208,43 @@ mod tests {
     use proptest::prelude::*;
     use serde::Deserialize;
 
+    #[test]
+    fn read_message_gives_a_whole_frame_and_stops_a_trickle_at_the_deadline() {
+        use std::io::Write;
+        use std::net::TcpListener;
+        use std::time::Duration;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let encoded = Frame::encode(&"hello".to_string());
+        let sender = std::thread::spawn(move || {
+            let mut whole = TcpStream::connect(addr).unwrap();
+            whole.write_all(&encoded).unwrap();
+            // One byte every 100 ms: each read is quick, the whole is too slow.
+            let mut trickle = TcpStream::connect(addr).unwrap();
+            for byte in &encoded {
+                if trickle.write_all(&[*byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let (mut whole, _) = listener.accept().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got: String = read_message(&mut whole, deadline).unwrap();
+        assert_eq!(got, "hello");
+        let (mut trickle, _) = listener.accept().unwrap();
+        let started = Instant::now();
+        let err =
+            read_message::<String>(&mut trickle, started + Duration::from_millis(350)).unwrap_err();
+        assert!(
+            matches!(err, ReadError::TimedOut | ReadError::Io(_)),
+            "{err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
+        drop(trickle);
+        sender.join().unwrap();
+    }
+
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     struct Sample {
         id: u64,
@@ -297,6 +341,50 @@ mod tests {
                 let _ = frame.decode::<Sample>();
             }
             fb.resync();
+        }
+    }
+}
+
+/// Why [`read_message`] gave no message.
+#[derive(Debug, Error)]
+pub enum ReadError {
+    /// Reading failed (a read timeout included).
+    #[error("reading failed")]
+    Io(#[source] std::io::Error),
+    /// The stream ended before a whole frame.
+    #[error("the stream closed before a whole frame")]
+    Closed,
+    /// No whole frame came before the deadline.
+    #[error("no whole frame before the deadline")]
+    TimedOut,
+    /// The bytes are no frame, or the frame is not the message expected.
+    #[error("not a message")]
+    Frame(#[source] FrameError),
+}
+
+/// Reads from `stream` until one whole frame has come, by `deadline` however slowly the
+/// bytes trickle in, and decodes it.
+pub fn read_message<T: DeserializeOwned>(
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> Result<T, ReadError> {
+    let mut frames = FrameBuffer::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match frames.pop() {
+            Ok(frame) => return frame.decode().map_err(ReadError::Frame),
+            Err(FrameError::Incomplete { .. }) => {}
+            Err(e) => return Err(ReadError::Frame(e)),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ReadError::TimedOut);
+        }
+        stream.set_read_timeout(Some(left)).map_err(ReadError::Io)?;
+        match stream.read(&mut buf) {
+            Ok(0) => return Err(ReadError::Closed),
+            Ok(n) => frames.push(&buf[..n]),
+            Err(e) => return Err(ReadError::Io(e)),
         }
     }
 }

@@ -21,7 +21,7 @@ pub mod frame;
 pub mod preload;
 pub mod text;
 
-pub use frame::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
+pub use frame::{read_message, Frame, FrameBuffer, FrameError, ReadError, MAX_FRAME_LEN};
 
 /// Version of the message schema. Carried in every frame header; a peer speaking another
 /// version is refused with [`FrameError::UnsupportedVersion`].

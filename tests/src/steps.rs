@@ -6,7 +6,7 @@
 //! several can run side by side and a failed test can print their logs.
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use rdmamig_guest::traffic::Report;
@@ -365,6 +365,40 @@ pub fn finish_clean_flow(
 /// Callers add the strategy, deadlines, report path or output options they need.
 pub fn migrate_command(socket: &Path, src: &Guest, dst: &Guest) -> Command {
     migrate_command_as(socket, &src.spec().name, src, dst)
+}
+
+/// Runs [`migrate_command`] for `src` to `dst` through the daemon at `socket`, with `args`
+/// added and the report written to `<dir>/<name>.json`; prints the CLI's output and gives
+/// it with the report.
+pub fn run_move(
+    socket: &Path,
+    dir: &Path,
+    (src, dst): (&Guest, &Guest),
+    args: &[&str],
+    name: &str,
+) -> (Output, Value) {
+    let report_path = dir.join(format!("{name}.json"));
+    let out = migrate_command(socket, src, dst)
+        .args(args)
+        .arg("--report")
+        .arg(&report_path)
+        .output()
+        .unwrap_or_else(|e| panic!("rdmamig migrate ({name}): {e}"));
+    eprintln!(
+        "---- move ({name}):\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = std::fs::read(&report_path)
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no report of the move ({name}) at {}",
+                report_path.display()
+            )
+        });
+    (out, report)
 }
 
 /// [`migrate_command`] for the VM named `vm` (by default a move names the VM after its

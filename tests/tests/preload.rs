@@ -20,9 +20,8 @@
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{migrate_command, wait_listening, MoveGuests, STEP_TIMEOUT};
+use rdmamig_testbed::steps::{run_move, wait_listening, MoveGuests, STEP_TIMEOUT};
 use rdmamig_testbed::{error_chain, Guest, Testbed};
-use serde_json::Value;
 
 const COMMAND: Duration = Duration::from_secs(120);
 /// ibv_rc_pingpong's TCP port.
@@ -228,24 +227,13 @@ fn moved_pingpong(
     let unpreloaded = options.is_empty().then(|| unpreloaded_copy(peer, &src));
     std::thread::sleep(Duration::from_secs(2));
 
-    let report_path = bed.dir().join(format!("move-{round}.json"));
-    let out = migrate_command(daemon.socket(), &src, &dst)
-        .args([
-            "--strategy",
-            "reconnect",
-            "--unmanaged",
-            "release",
-            "--report",
-        ])
-        .arg(&report_path)
-        .output()
-        .unwrap();
-    eprintln!(
-        "---- move ({round}):\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (out, report) = run_move(
+        daemon.socket(),
+        bed.dir(),
+        (&src, &dst),
+        &["--strategy", "reconnect", "--unmanaged", "release"],
+        &format!("move-{round}"),
     );
-    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
     src.kill();
     dst.reattach_console().unwrap();
     let vm = dst;

@@ -14,11 +14,10 @@
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
-use std::process::Output;
 use std::time::Duration;
 
 use rdmamig_testbed::scenario::Daemon;
-use rdmamig_testbed::steps::{finish_clean_flow, migrate_command, MoveGuests, STEP_TIMEOUT};
+use rdmamig_testbed::steps::{finish_clean_flow, run_move, MoveGuests, STEP_TIMEOUT};
 use rdmamig_testbed::{error_chain, Guest, Testbed};
 use serde_json::Value;
 
@@ -40,7 +39,7 @@ fn unmanaged_programs_are_refused_released_or_ignored_as_the_move_says() {
 
     // refuse (the default): nothing changes.
     let programs = start_programs(&peer, &src, 0);
-    let (out, report) = run_move(&bed, &daemon, &src, &dst, &[], "refuse");
+    let (out, report) = run_move(daemon.socket(), bed.dir(), (&src, &dst), &[], "refuse");
     assert_eq!(out.status.code(), Some(4), "the move was not refused");
     assert_eq!(report["failed_phase"], "prepare", "{report:#}");
     let error = report["error"].as_str().unwrap();
@@ -68,10 +67,9 @@ fn unmanaged_programs_are_refused_released_or_ignored_as_the_move_says() {
 
     // release: ended right before the unplug, the move done.
     let (out, report) = run_move(
-        &bed,
-        &daemon,
-        &src,
-        &dst,
+        daemon.socket(),
+        bed.dir(),
+        (&src, &dst),
         &["--unmanaged", "release"],
         "release",
     );
@@ -112,10 +110,9 @@ fn unmanaged_programs_are_refused_released_or_ignored_as_the_move_says() {
         .start_incoming(bed.incoming_spec(vm.spec(), "um-back").unwrap())
         .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let (out, report) = run_move(
-        &bed,
-        &daemon,
-        &vm,
-        &back,
+        daemon.socket(),
+        bed.dir(),
+        (&vm, &back),
         &["--unmanaged", "ignore"],
         "ignore",
     );
@@ -200,31 +197,6 @@ fn background(guest: &Guest, command: &str, log: &str) -> u32 {
         .find_map(|l| l.trim().strip_prefix("pid "))
         .and_then(|pid| pid.trim().parse().ok())
         .unwrap_or_else(|| panic!("no PID for {command}: {out}"))
-}
-
-/// Moves `src` to `dst` with `args` added; returns the client's output and the report.
-fn run_move(
-    bed: &Testbed,
-    daemon: &Daemon,
-    src: &Guest,
-    dst: &Guest,
-    args: &[&str],
-    name: &str,
-) -> (Output, Value) {
-    let report_path = bed.dir().join(format!("{name}.json"));
-    let out = migrate_command(daemon.socket(), src, dst)
-        .args(args)
-        .arg("--report")
-        .arg(&report_path)
-        .output()
-        .unwrap();
-    eprintln!(
-        "---- move ({name}):\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
-    (out, report)
 }
 
 /// Both programs are in the report's `unmanaged`, with `fate`.

@@ -10,7 +10,7 @@
 //! connection closes; at most [`MAX_CONNECTIONS`] are served at once (more are closed
 //! unanswered), each on a short-lived thread.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::preload::{PeerAnswer, PeerRequest};
-use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+use rdmamig_proto::{read_message, Frame};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
@@ -43,17 +43,6 @@ pub struct PeersError {
     /// The cause.
     #[source]
     pub source: std::io::Error,
-}
-
-/// Why one connection got no answer.
-#[derive(Debug, Error)]
-enum ConnectionError {
-    #[error("reading the request failed")]
-    Read(#[source] std::io::Error),
-    #[error("the connection closed before a whole request")]
-    Closed,
-    #[error("the request is not one")]
-    Frame(#[source] FrameError),
 }
 
 /// Listens on every address (IPv4 and IPv6) at `port` (0: any free port) and serves the
@@ -97,7 +86,7 @@ fn accept(listener: TcpListener, apps: Apps) {
 fn serve(mut stream: TcpStream, apps: &Apps) {
     let Ok(from) = stream.peer_addr() else { return };
     let from = canonical(from.ip());
-    let request = match read_request(&mut stream) {
+    let request = match read_message::<PeerRequest>(&mut stream, Instant::now() + READ_TIMEOUT) {
         Ok(request) => request,
         Err(e) => {
             debug!(%from, "peer connection: {}", rdmamig_proto::text::error_chain(&e));
@@ -122,34 +111,12 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-fn read_request(stream: &mut TcpStream) -> Result<PeerRequest, ConnectionError> {
-    stream
-        .set_read_timeout(Some(READ_TIMEOUT))
-        .map_err(ConnectionError::Read)?;
-    let end = Instant::now() + READ_TIMEOUT;
-    let mut frames = FrameBuffer::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match frames.pop() {
-            Ok(frame) => return frame.decode().map_err(ConnectionError::Frame),
-            Err(FrameError::Incomplete { .. }) => {}
-            Err(e) => return Err(ConnectionError::Frame(e)),
-        }
-        if Instant::now() >= end {
-            return Err(ConnectionError::Read(std::io::ErrorKind::TimedOut.into()));
-        }
-        match stream.read(&mut buf) {
-            Ok(0) => return Err(ConnectionError::Closed),
-            Ok(n) => frames.push(&buf[..n]),
-            Err(e) => return Err(ConnectionError::Read(e)),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
+    use rdmamig_proto::FrameBuffer;
+    use std::io::Read;
 
     fn ask(port: u16, bytes: &[u8]) -> Option<PeerAnswer> {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
