@@ -20,7 +20,6 @@ use rdmamig_proto::{read_message, Frame, ReadError};
 use thiserror::Error;
 
 use crate::objects::{self, locked, trace, Qp};
-use crate::ops;
 use crate::relocate::{self, hold, release_held, walk, INIT_MASK, RTR_MASK, RTS_MASK};
 
 /// Longest wait to reach the other end's agent.
@@ -171,17 +170,9 @@ pub fn handle(from: &str, request: &PeerRequest) -> PeerAnswer {
 /// by itself after [`PAUSE_LIMIT`].
 fn pause(qp: &'static Qp) -> Result<(), String> {
     hold(qp).map_err(str::to_owned)?;
-    let deadline = Instant::now() + PAUSE_DRAIN;
-    loop {
-        drain(qp);
-        if locked(&qp.flow).drained() {
-            break;
-        }
-        if Instant::now() >= deadline {
-            release_held(qp);
-            return Err("its sends in flight did not complete".into());
-        }
-        std::thread::sleep(Duration::from_millis(1));
+    if !relocate::drain_sends(qp, Instant::now() + PAUSE_DRAIN) {
+        release_held(qp);
+        return Err("its sends in flight did not complete".into());
     }
     let pause = locked(&qp.flow).pause;
     let address = qp as *const Qp as usize;
@@ -213,15 +204,6 @@ fn pause(qp: &'static Qp) -> Result<(), String> {
     Ok(())
 }
 
-/// Drains the real CQs the QP completes on.
-fn drain(qp: &Qp) {
-    let init = locked(&qp.record).init;
-    for cq in init.iter().flat_map(crate::exports::cqs_of) {
-        // SAFETY: a live virtual CQ that the QP uses.
-        ops::drain(unsafe { &*cq });
-    }
-}
-
 /// Walks the QP from RESET to RTS again, to the other end's new QP, and goes on.
 fn reconnect(
     qp: &'static Qp,
@@ -231,7 +213,7 @@ fn reconnect(
     gid: [u8; 16],
     rkeys: &[(u32, u32)],
 ) -> Result<(), String> {
-    drain(qp);
+    relocate::drain_cqs(qp);
     {
         let mut flow = locked(&qp.flow);
         let real = qp.real.load(Ordering::Acquire);

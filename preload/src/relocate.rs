@@ -198,11 +198,7 @@ impl Carried {
     }
 
     fn cqs(&self) -> Vec<*mut Cq> {
-        locked(&self.qp().record)
-            .init
-            .iter()
-            .flat_map(cqs_of)
-            .collect()
+        cqs_of_qp(self.qp())
     }
 }
 
@@ -211,22 +207,39 @@ fn carried() -> Vec<Carried> {
     objects::all::<Qp>().into_iter().map(Carried).collect()
 }
 
-/// Drains the real CQs of `qps` until every one has no signaled send outstanding.
-fn wait_drained(qps: &[Carried], deadline: Instant) -> Result<(), MoveError> {
+/// The virtual CQs `qp` completes on.
+fn cqs_of_qp(qp: &Qp) -> Vec<*mut Cq> {
+    locked(&qp.record).init.iter().flat_map(cqs_of).collect()
+}
+
+/// Takes what the real CQs of `qp` hold into their buffers ([`ops::drain`]).
+pub fn drain_cqs(qp: &Qp) {
+    for cq in cqs_of_qp(qp) {
+        // SAFETY: a live virtual CQ (a QP uses it; destroying it waits at the gate).
+        ops::drain(unsafe { &*cq });
+    }
+}
+
+/// Drains the real CQs of `qp` until it has no signaled send outstanding; false if
+/// `deadline` passed first.
+pub fn drain_sends(qp: &Qp, deadline: Instant) -> bool {
     loop {
-        for qp in qps {
-            for cq in qp.cqs() {
-                // SAFETY: a live virtual CQ (a QP uses it; destroying it waits at the gate).
-                ops::drain(unsafe { &*cq });
-            }
+        drain_cqs(qp);
+        if locked(&qp.flow).drained() {
+            return true;
         }
-        match qps.iter().find(|qp| !locked(&qp.qp().flow).drained()) {
-            None => return Ok(()),
-            Some(qp) if Instant::now() >= deadline => {
-                return Err(MoveError::NotDrained { qp: qp.number() })
-            }
-            Some(_) => std::thread::sleep(DRAIN_POLL),
+        if Instant::now() >= deadline {
+            return false;
         }
+        std::thread::sleep(DRAIN_POLL);
+    }
+}
+
+/// Drains until no QP of `qps` has a signaled send outstanding.
+fn wait_drained(qps: &[Carried], deadline: Instant) -> Result<(), MoveError> {
+    match qps.iter().find(|qp| !drain_sends(qp.qp(), deadline)) {
+        Some(qp) => Err(MoveError::NotDrained { qp: qp.number() }),
+        None => Ok(()),
     }
 }
 
