@@ -15,8 +15,8 @@ use std::sync::atomic::Ordering;
 
 use rdma_sys::{
     _compat_ibv_port_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_device, ibv_device_attr,
-    ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr, ibv_qp_state,
-    ibv_qp_type,
+    ibv_ece, ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr,
+    ibv_qp_state, ibv_qp_type,
 };
 
 use crate::objects::{
@@ -593,6 +593,28 @@ pub unsafe extern "C" fn ibv_query_qp(
         }
     }
     0
+}
+
+/// ibv_query_ece, on the real QP (librdmacm asks it of every QP it connects).
+///
+/// # Safety
+/// As libibverbs' ibv_query_ece.
+#[no_mangle]
+pub unsafe extern "C" fn ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int {
+    let _device = control();
+    // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
+    unsafe { next::ibv_query_ece()(real::<Qp>(qp), ece) }
+}
+
+/// ibv_set_ece, on the real QP (librdmacm sets what the other end agreed to).
+///
+/// # Safety
+/// As libibverbs' ibv_set_ece.
+#[no_mangle]
+pub unsafe extern "C" fn ibv_set_ece(qp: *mut ibv_qp, ece: *mut ibv_ece) -> c_int {
+    let _device = control();
+    // SAFETY: the real QP behind the caller's, to libibverbs' own verb.
+    unsafe { next::ibv_set_ece()(real::<Qp>(qp), ece) }
 }
 
 /// ibv_destroy_qp.

@@ -32,9 +32,11 @@
 //! ([`peer`], through that end's agent), releases the device, and rebuilds every object on
 //! the new one from what was recorded ([`record`]), with the program's keys translated to
 //! the new ones from then on ([`keys`]); a program sleeping on completion events wakes
-//! across it ([`events`]). librdmacm's ids are not carried yet: a program
-//! that uses librdmacm does not register. docs/preload.md lists what is supported.
+//! across it ([`events`]). An rdma_cm program's QPs move the same way; the kernel's
+//! rdma_cm ids cannot, so the events a move causes are held back and a disconnect after one
+//! is this library's ([`cm`]). docs/preload.md lists what is supported.
 
+pub mod cm;
 pub mod events;
 pub mod exports;
 pub mod keys;

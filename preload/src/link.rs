@@ -6,10 +6,6 @@
 //! `$RDMAMIG_AGENT_SOCKET`, or [`DEFAULT_AGENT_SOCKET`]), says Hello, and answers each
 //! request on a thread of its own (a peer's pause may wait for sends in flight while the
 //! agent asks for a description). While no agent listens it retries every second.
-//!
-//! A program that also uses librdmacm does not register: its connections live in the
-//! kernel's rdma_cm, which this library does not carry yet, so a move must treat it as the
-//! unmanaged program it is (refused, released or ignored, as the move says).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -23,23 +19,17 @@ use rdmamig_proto::{Frame, FrameBuffer};
 
 use crate::objects::{self, locked, trace, Qp};
 use crate::peer::{self, ip_of};
-use crate::relocate;
+use crate::{cm, relocate};
 
 /// The environment variable naming the agent's socket (as for the connection library).
 pub const AGENT_SOCKET_ENV: &str = "RDMAMIG_AGENT_SOCKET";
 /// How often the link retries while no agent listens.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Starts the link, once per process, unless the program uses librdmacm.
+/// Starts the link, once per process.
 pub fn start() {
     static STARTED: Once = Once::new();
     STARTED.call_once(|| {
-        if uses_librdmacm() {
-            trace(format_args!(
-                "librdmacm is loaded: not registering (rdma_cm connections are not carried)"
-            ));
-            return;
-        }
         let spawned = std::thread::Builder::new()
             .name("rdmamig-agent-link".into())
             .spawn(run);
@@ -47,12 +37,6 @@ pub fn start() {
             eprintln!("rdmamig-preload: no thread for the agent link: the program is unmanaged");
         }
     });
-}
-
-/// Whether librdmacm is loaded in the process.
-fn uses_librdmacm() -> bool {
-    // SAFETY: a lookup by a NUL-terminated name in the loaded objects.
-    !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"rdma_create_id".as_ptr()) }.is_null()
 }
 
 fn run() {
@@ -98,6 +82,7 @@ fn serve(mut stream: UnixStream) -> std::io::Result<()> {
                 if let Some(reply) = answer(&request) {
                     let _ = locked(&writer).write_all(&Frame::encode(&reply));
                 }
+                cm::deliver_disconnects();
             };
             if std::thread::Builder::new()
                 .name("rdmamig-request".into())

@@ -1,8 +1,9 @@
-//! The next definition of each interposed symbol: libibverbs' own, found with
-//! `dlsym(RTLD_NEXT, ...)` the first time it is needed and kept.
+//! The next definition of each interposed symbol: libibverbs' or librdmacm's own, found
+//! with `dlsym(RTLD_NEXT, ...)` the first time it is needed and kept.
 //!
-//! This library must never call a verb by its plain name: the dynamic linker would bind the
-//! call to this library's own definition. Every call to libibverbs goes through here.
+//! This library must never call an interposed function by its plain name: the dynamic
+//! linker would bind the call to this library's own definition. Every call to libibverbs
+//! and librdmacm goes through here.
 
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -11,19 +12,20 @@ use std::os::raw::{c_int, c_uint, c_void};
 
 use rdma_sys::{
     _compat_ibv_port_attr, ibv_ah, ibv_ah_attr, ibv_async_event, ibv_comp_channel, ibv_context,
-    ibv_cq, ibv_device, ibv_device_attr, ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr,
-    ibv_qp_init_attr, ibv_srq, ibv_srq_init_attr,
+    ibv_cq, ibv_device, ibv_device_attr, ibv_ece, ibv_gid, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr,
+    ibv_qp_init_attr, ibv_srq, ibv_srq_init_attr, rdma_cm_event, rdma_cm_id, rdma_event_channel,
+    rdma_port_space,
 };
 
 /// The address of the next definition of `name` (NUL-terminated), or a clear abort: a
-/// libibverbs without a verb the program was linked against is a broken installation, and
-/// carrying on would call through a null pointer.
+/// libibverbs or librdmacm without a function the program was linked against is a broken
+/// installation, and carrying on would call through a null pointer.
 fn resolve(name: &'static CStr) -> usize {
     // SAFETY: `name` is NUL-terminated; RTLD_NEXT searches the objects loaded after this one.
     let address = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
     if address.is_null() {
         eprintln!(
-            "rdmamig-preload: libibverbs has no {} (is libibverbs.so.1 loaded?)",
+            "rdmamig-preload: no library after this one defines {} (are libibverbs.so.1 and librdmacm.so.1 loaded?)",
             name.to_string_lossy()
         );
         std::process::abort();
@@ -35,7 +37,7 @@ fn resolve(name: &'static CStr) -> usize {
 /// verb `name` with the C signature verbs.h gives it.
 macro_rules! next {
     ($(fn $name:ident($($arg:ty),*) -> $ret:ty;)*) => {$(
-        #[doc = concat!("libibverbs' own `", stringify!($name), "`.")]
+        #[doc = concat!("libibverbs' or librdmacm's own `", stringify!($name), "`.")]
         pub fn $name() -> unsafe extern "C" fn($($arg),*) -> $ret {
             static ADDRESS: OnceLock<usize> = OnceLock::new();
             let name = match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
@@ -75,6 +77,8 @@ next! {
     fn ibv_modify_qp(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int;
     fn ibv_query_qp(*mut ibv_qp, *mut ibv_qp_attr, c_int, *mut ibv_qp_init_attr) -> c_int;
     fn ibv_destroy_qp(*mut ibv_qp) -> c_int;
+    fn ibv_query_ece(*mut ibv_qp, *mut ibv_ece) -> c_int;
+    fn ibv_set_ece(*mut ibv_qp, *mut ibv_ece) -> c_int;
     fn ibv_get_async_event(*mut ibv_context, *mut ibv_async_event) -> c_int;
     fn ibv_ack_async_event(*mut ibv_async_event) -> ();
     fn ibv_create_srq(*mut ibv_pd, *mut ibv_srq_init_attr) -> *mut ibv_srq;
@@ -83,4 +87,16 @@ next! {
     fn ibv_resize_cq(*mut ibv_cq, c_int) -> c_int;
     fn ibv_qp_to_qp_ex(*mut ibv_qp) -> *mut c_void;
     fn ibv_attach_mcast(*mut ibv_qp, *const ibv_gid, u16) -> c_int;
+}
+
+next! {
+    fn rdma_create_event_channel() -> *mut rdma_event_channel;
+    fn rdma_destroy_event_channel(*mut rdma_event_channel) -> ();
+    fn rdma_create_id(*mut rdma_event_channel, *mut *mut rdma_cm_id, *mut c_void, rdma_port_space::Type) -> c_int;
+    fn rdma_migrate_id(*mut rdma_cm_id, *mut rdma_event_channel) -> c_int;
+    fn rdma_destroy_id(*mut rdma_cm_id) -> c_int;
+    fn rdma_listen(*mut rdma_cm_id, c_int) -> c_int;
+    fn rdma_disconnect(*mut rdma_cm_id) -> c_int;
+    fn rdma_get_cm_event(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
+    fn rdma_ack_cm_event(*mut rdma_cm_event) -> c_int;
 }

@@ -38,6 +38,8 @@ pub enum Kind {
     Cq,
     /// A [`Qp`].
     Qp,
+    /// An rdma_cm event channel ([`crate::cm::EventChannel`]).
+    EventChannel,
 }
 
 /// A virtual object: its public struct and its kind.
@@ -186,6 +188,9 @@ pub struct Flow {
     pub remote_rkeys: HashMap<u32, u32>,
     /// Counts the pauses, so that a pause's expiry does not end a later one.
     pub pause: u64,
+    /// A move (of either end) walked this QP to a new one: the kernel's rdma_cm no longer
+    /// connects it, so its connection events are this library's ([`crate::cm`]).
+    pub moved: bool,
 }
 
 impl Flow {

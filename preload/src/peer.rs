@@ -19,6 +19,7 @@ use rdmamig_proto::preload::{PeerAnswer, PeerRequest, PEER_PORT};
 use rdmamig_proto::{read_message, Frame, ReadError};
 use thiserror::Error;
 
+use crate::cm;
 use crate::objects::{self, locked, trace, Qp};
 use crate::relocate::{self, hold, release_held, walk, INIT_MASK, RTR_MASK, RTS_MASK};
 
@@ -155,6 +156,10 @@ pub fn handle(from: &str, request: &PeerRequest) -> PeerAnswer {
             rkeys,
             ..
         } => reconnect(qp, *new_qp, *sq_psn, *rq_psn, *gid, rkeys),
+        PeerRequest::Disconnect { .. } => {
+            cm::disconnected_by_peer(qp);
+            Ok(())
+        }
     };
     trace(format_args!(
         "qp {:#x}: {request:?} from {from}: {result:?}",
@@ -247,6 +252,7 @@ fn reconnect(
         record.setup.apply(&attr, kept as c_int);
         flow.remote_rkeys.extend(rkeys.iter().copied());
         flow.signaled_posted = flow.signaled_done;
+        flow.moved = true;
     }
     release_held(qp);
     Ok(())

@@ -39,7 +39,7 @@ use crate::objects::{self, locked, trace, Channel, Context, Cq, Mr, Pd, Qp};
 use crate::peer::{self, PeerError};
 use crate::record::{copy_attr, Receives};
 use crate::wr::RecvChain;
-use crate::{events, keys, next, ops};
+use crate::{cm, events, keys, next, ops};
 
 /// Why a move of the program's objects failed.
 #[derive(Debug, Error)]
@@ -78,6 +78,9 @@ pub enum MoveError {
         #[source]
         source: std::io::Error,
     },
+    /// An rdma_cm id listens: its kernel id goes with the device, and nothing makes it again.
+    #[error("an rdma_cm id listens for connections here: a listener is not carried")]
+    Listening,
     /// No device has the GID the QPs used, within the deadline.
     #[error("no RDMA device has the GID {gid} (the QPs' source address)")]
     NoDevice {
@@ -305,6 +308,9 @@ pub fn quiesce(deadline: Instant) -> Result<(), MoveError> {
                     what: "it is between RTR and RTS",
                 });
             }
+        }
+        if cm::listening() {
+            return Err(MoveError::Listening);
         }
         for qp in &live {
             if locked(&qp.qp().record).receives.lost_track() {
@@ -868,6 +874,7 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
                 })?;
             // SAFETY: the live real QP just made.
             unsafe { walk(real, &attr, ibv_qp_state::IBV_QPS_RTS, RTS_MASK)? };
+            locked(&object.flow).moved = true;
             let mut record = locked(&object.record);
             record
                 .setup

@@ -59,6 +59,14 @@ pub enum PeerRequest {
         /// The sender's memory regions' rkeys, old (the program's) to new.
         rkeys: Vec<(u32, u32)>,
     },
+    /// "My program disconnected the rdma_cm connection of my QP (one a move carried, which
+    /// the kernel's rdma_cm no longer connects): give yours its DISCONNECTED event."
+    Disconnect {
+        /// The receiver's QP.
+        qp: u32,
+        /// The sender's QP.
+        from_qp: u32,
+    },
 }
 
 impl PeerRequest {
@@ -67,7 +75,8 @@ impl PeerRequest {
         match self {
             PeerRequest::Pause { qp, .. }
             | PeerRequest::Unpause { qp, .. }
-            | PeerRequest::Reconnect { qp, .. } => *qp,
+            | PeerRequest::Reconnect { qp, .. }
+            | PeerRequest::Disconnect { qp, .. } => *qp,
         }
     }
 
@@ -76,7 +85,8 @@ impl PeerRequest {
         match self {
             PeerRequest::Pause { from_qp, .. }
             | PeerRequest::Unpause { from_qp, .. }
-            | PeerRequest::Reconnect { from_qp, .. } => *from_qp,
+            | PeerRequest::Reconnect { from_qp, .. }
+            | PeerRequest::Disconnect { from_qp, .. } => *from_qp,
         }
     }
 }
@@ -120,6 +130,10 @@ mod tests {
                 rq_psn: 0xdef,
                 gid: [1; 16],
                 rkeys: vec![(5, 9)],
+            },
+            PeerRequest::Disconnect {
+                qp: 17,
+                from_qp: 18,
             },
         ];
         for m in requests {

@@ -281,6 +281,122 @@ fn moved_pingpong(
     vm
 }
 
+/// rping's iterations for measuring its rate before the moved run.
+const RPING_RATE_COUNT: u32 = 200;
+
+#[test]
+fn rping_under_rdmamig_run_keeps_its_connection_through_a_move() {
+    let bed = Testbed::new("preload-rping").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let MoveGuests { peer, src, dst } =
+        MoveGuests::start(&bed, "pr").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    moved_rping(&bed, &daemon, &peer, src, dst);
+}
+
+/// Runs an rping server on `peer` and its client on `src` (rdma_cm; data verified, `-V`;
+/// RDMA READ and WRITE with rkeys sent in band), both under rdmamig-run, moves `src` to
+/// `dst` in the middle, and checks that both ended with status 0 and no error; returns the
+/// VM where it arrived.
+fn moved_rping(bed: &Testbed, daemon: &Daemon, peer: &Guest, src: Guest, dst: Guest) -> Guest {
+    let server_run = format!(
+        "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -s -V -a {}",
+        peer.spec().address()
+    );
+    let client_run = |count: u32| {
+        format!(
+            "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -c -V -C {count} -a {}",
+            peer.spec().address()
+        )
+    };
+    // The rate here, so that the moved run lasts about MOVED_RUN whatever the machine.
+    background(peer, &server_run, "rping-rate-server");
+    wait_rdma_listening(peer);
+    let started = std::time::Instant::now();
+    let timed = src.run(&client_run(RPING_RATE_COUNT), COMMAND).unwrap();
+    let millis = started.elapsed().as_secs_f64() * 1000.0;
+    if timed.status != 0 {
+        let _ = peer.run("kill $(pidof rping)", STEP_TIMEOUT);
+    }
+    let server = finished(peer, "rping-rate-server");
+    assert!(
+        timed.status == 0 && server.trim_end().ends_with("status 0"),
+        "the rate's rping failed ({}): {}\nserver:\n{server}",
+        timed.status,
+        timed.output
+    );
+    let count = (f64::from(RPING_RATE_COUNT) / (millis / 1000.0).max(1e-3)
+        * MOVED_RUN.as_secs_f64()) as u32;
+    let count = count.clamp(2 * RPING_RATE_COUNT, 1_000_000);
+    eprintln!("rping: {RPING_RATE_COUNT} pings in {millis} ms: the moved run does {count}");
+
+    background(peer, &server_run, "rping-server");
+    wait_rdma_listening(peer);
+    background(&src, &client_run(count), "rping-client");
+    for (guest, log) in [(&src, "rping-client"), (peer, "rping-server")] {
+        wait_for_line(guest, log, "registered with the agent")
+            .and_then(|_| wait_for_line(guest, log, "recorded at RTS"))
+            .unwrap_or_else(|e| panic!("{log}: {e}"));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let (out, report) = run_move(
+        daemon.socket(),
+        bed.dir(),
+        (&src, &dst),
+        &["--strategy", "reconnect"],
+        "move-rping",
+    );
+    src.kill();
+    dst.reattach_console().unwrap();
+    let vm = dst;
+    let client = finished(&vm, "rping-client");
+    let server = finished(peer, "rping-server");
+    eprintln!("----- rping client -----\n{client}\n----- rping server -----\n{server}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the move did not complete: {report:#}"
+    );
+    for (log, out) in [("rping client", &client), ("rping server", &server)] {
+        assert!(
+            out.trim_end().ends_with("status 0"),
+            "{log} did not end well:\n{out}"
+        );
+        for error in ["data mismatch", "error", "failed", "removal"] {
+            assert!(
+                !out.lines()
+                    .filter(|l| !l.starts_with("rdmamig-preload"))
+                    .any(|l| l.contains(error)),
+                "{log} says {error:?}:\n{out}"
+            );
+        }
+    }
+    assert!(
+        client.contains("released the device") && client.contains("rebuilt as real qp"),
+        "rping client: not moved:\n{client}"
+    );
+    assert!(
+        client.contains("held back: a move caused it"),
+        "rping client: the move's DEVICE_REMOVAL was not held back:\n{client}"
+    );
+    assert!(
+        server.contains("its peer disconnected: DISCONNECTED"),
+        "rping server: no DISCONNECTED from its peer's library:\n{server}"
+    );
+    vm
+}
+
+/// Waits (30 s at most) until an rdma_cm id in `guest` listens.
+fn wait_rdma_listening(guest: &Guest) {
+    let out = guest
+        .run(
+            "i=0; until rdma resource show cm_id 2>/dev/null | grep -q LISTEN; do \
+               i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done",
+            STEP_TIMEOUT,
+        )
+        .unwrap();
+    assert_eq!(out.status, 0, "no rdma_cm listener in 30 s: {}", out.output);
+}
+
 /// The port of the unpreloaded copy's server.
 const UNPRELOADED_PORT: u16 = 18516;
 
