@@ -133,6 +133,11 @@ fn touched(qp: &Qp) -> bool {
     flow.held || flow.moved
 }
 
+/// Whether an rdma_cm id connects `qp` (one of its events named it).
+pub fn connects(qp: &Qp) -> bool {
+    ids().of_qp.contains_key(&(qp as *const Qp as usize))
+}
+
 /// Whether an id of the program listens for connections (a move cannot carry it).
 pub fn listening() -> bool {
     !ids().listening.is_empty()
@@ -604,4 +609,62 @@ fn make_disconnected(id: *mut rdma_cm_id) {
         return;
     }
     channel.deliver(event);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event naming `id` (never dereferenced here).
+    fn event_for(id: usize) -> *mut rdma_cm_event {
+        // SAFETY: all-zero is a valid event.
+        let mut event: rdma_cm_event = unsafe { std::mem::zeroed() };
+        event.id = id as *mut rdma_cm_id;
+        Box::into_raw(Box::new(event))
+    }
+
+    #[test]
+    fn the_program_reads_the_events_waiting_and_never_one_taken_back() {
+        // SAFETY: a fresh eventfd, owned by the test.
+        let fd = unsafe {
+            libc::eventfd(
+                0,
+                libc::EFD_SEMAPHORE | libc::EFD_CLOEXEC | libc::EFD_NONBLOCK,
+            )
+        };
+        assert!(fd >= 0);
+        let channel = publish(EventChannel {
+            public: rdma_event_channel { fd },
+            real: AtomicPtr::default(),
+            waiting: Mutex::default(),
+            stop: -1,
+            pump: Mutex::default(),
+        });
+        // SAFETY: just published, live until retired below.
+        let ours = unsafe { &*channel.cast::<EventChannel>() };
+        let (dying, living) = (event_for(0x1000), event_for(0x2000));
+        ours.deliver(dying);
+        ours.deliver(living);
+        // SAFETY: the events made above.
+        let taken = ours.take_back(|e| unsafe { (*e).id } as usize == 0x1000);
+        assert_eq!(taken, vec![dying]);
+        let mut got = null_mut();
+        // SAFETY: our channel and out-pointer.
+        assert_eq!(unsafe { rdma_get_cm_event(channel, &mut got) }, 0);
+        assert_eq!(got, living, "the event taken back is skipped");
+        // SAFETY: as above.
+        assert_eq!(unsafe { rdma_get_cm_event(channel, &mut got) }, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EAGAIN),
+            "a non-blocking channel with nothing waiting says EAGAIN, as librdmacm's"
+        );
+        drop(retire::<EventChannel>(channel));
+        // SAFETY: the test's own events and descriptor, used by nothing else now.
+        unsafe {
+            drop(Box::from_raw(dying));
+            drop(Box::from_raw(living));
+            libc::close(fd);
+        }
+    }
 }

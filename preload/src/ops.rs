@@ -105,6 +105,37 @@ fn count_posted(flow: &mut Flow, flags: u32) {
     }
 }
 
+/// The `wr_id` of a fence ([`post_fence`]): its completion is this library's, never the
+/// program's.
+pub const FENCE_WR_ID: u64 = u64::from_be_bytes(*b"rdmamig!");
+
+/// Posts a fence on `real`: a signaled RDMA WRITE of no bytes, which touches no memory at
+/// the other end (no address or rkey is checked, C9-88) and completes only after every send
+/// before it (an RC send queue completes in order). Its completion is counted like any
+/// signaled send's and never given to the program.
+///
+/// # Safety
+/// `real` is the live real QP of the virtual QP whose `flow` is held.
+pub unsafe fn post_fence(flow: &mut Flow, real: *mut ibv_qp) -> c_int {
+    // SAFETY: all-zero is a valid send request (no SGEs, null pointers).
+    let mut fence: ibv_send_wr = unsafe { std::mem::zeroed() };
+    fence.wr_id = FENCE_WR_ID;
+    fence.opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    fence.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the caller's live real QP; the request is ours, alive for the call.
+    let result = unsafe {
+        match (*(*real).context).ops.post_send {
+            Some(op) => op(real, &mut fence, &mut bad),
+            None => libc::EOPNOTSUPP,
+        }
+    };
+    if result == 0 {
+        count_posted(flow, ibv_send_flags::IBV_SEND_SIGNALED.0);
+    }
+    result
+}
+
 /// Posts owned sends to `real` with the real keys; gives the provider's result and the
 /// index of the first send it refused.
 ///
@@ -240,8 +271,7 @@ unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, entries: c_int, wc: *mut ibv_wc) -
                 return if got > 0 { got as c_int } else { polled };
             }
             let fresh = std::slice::from_raw_parts_mut(wc.add(got), polled as usize);
-            account(&state, fresh);
-            got += polled as usize;
+            got += account(&state, fresh);
         }
         got as c_int
     }
@@ -268,21 +298,25 @@ pub fn drain(cq: &Cq) {
         if polled <= 0 {
             break;
         }
-        let fresh = &mut batch[..polled as usize];
-        account(&state, fresh);
+        let kept = account(&state, &mut batch[..polled as usize]);
         // SAFETY: ibv_wc is plain data: a bitwise copy is a copy.
         state
             .buffer
-            .extend(fresh.iter().map(|wc| unsafe { std::ptr::read(wc) }));
+            .extend(batch[..kept].iter().map(|wc| unsafe { std::ptr::read(wc) }));
     }
 }
 
 /// What each completion polled from the real CQ tells: a receive done (off its QP's
 /// record), a signaled send done (counted for a pause), or a failure (the QP broken, its
-/// receives flushed). Each completion then names the program's QP number.
-fn account(state: &CqState, completions: &mut [ibv_wc]) {
-    for wc in completions {
+/// receives flushed). Each completion then names the program's QP number; a fence's is
+/// dropped. Gives how many are kept, moved to the front.
+fn account(state: &CqState, completions: &mut [ibv_wc]) -> usize {
+    let mut kept = 0;
+    for at in 0..completions.len() {
+        let wc = &mut completions[at];
         let Some(member) = state.members.iter().find(|m| m.real_qpn == wc.qp_num) else {
+            completions.swap(kept, at);
+            kept += 1;
             continue;
         };
         // SAFETY: a member is a live virtual QP: it leaves the list before it is freed.
@@ -297,8 +331,14 @@ fn account(state: &CqState, completions: &mut [ibv_wc]) {
         } else {
             locked(&qp.flow).signaled_done += 1;
         }
+        if !receive && wc.wr_id == FENCE_WR_ID {
+            continue;
+        }
         wc.qp_num = qp.public.qp_num;
+        completions.swap(kept, at);
+        kept += 1;
     }
+    kept
 }
 
 unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {

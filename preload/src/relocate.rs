@@ -246,16 +246,65 @@ fn wait_drained(qps: &[Carried], deadline: Instant) -> Result<(), MoveError> {
     }
 }
 
-/// Holds new sends on `qp`; refuses when its last send was unsignaled (a completion that
-/// never comes cannot tell when it is done).
+/// Holds new sends on `qp`. When its last send was unsignaled (its completion will never
+/// be seen), a fence follows it ([`ops::post_fence`]), so that the drain can tell when every
+/// send before it is done: only on an rdma_cm connection, whose QPs the kernel always gives
+/// remote write (a fence on a QP without it would break the connection); without one the
+/// hold is refused.
 pub fn hold(qp: &Qp) -> Result<(), &'static str> {
-    let mut flow = locked(&qp.flow);
-    if flow.unsignaled_tail && !flow.broken {
-        return Err("its last send was unsignaled: when it completes cannot be seen");
+    {
+        let mut flow = locked(&qp.flow);
+        flow.held = true;
+        flow.pause += 1;
+        if !flow.unsignaled_tail || flow.broken {
+            return Ok(());
+        }
     }
-    flow.held = true;
-    flow.pause += 1;
-    Ok(())
+    let refused = if !cm::connects(qp) {
+        Some("its last send was unsignaled (when it completes cannot be seen), and it is not an rdma_cm connection (which a fence would tell)")
+    } else if !fence(qp) {
+        Some("its last send was unsignaled, and no fence could follow it (its send queue stayed full)")
+    } else {
+        None
+    };
+    match refused {
+        Some(why) => {
+            release_held(qp);
+            Err(why)
+        }
+        None => Ok(()),
+    }
+}
+
+/// How long a hold tries to post a fence while the send queue is full.
+const FENCE_WAIT: Duration = Duration::from_secs(2);
+
+/// Posts a fence after `qp`'s sends, draining its CQs while its send queue is full.
+fn fence(qp: &Qp) -> bool {
+    let deadline = Instant::now() + FENCE_WAIT;
+    loop {
+        {
+            let mut flow = locked(&qp.flow);
+            let real = qp.real.load(Ordering::Acquire);
+            if real.is_null() || !flow.unsignaled_tail {
+                return true;
+            }
+            // SAFETY: the live real QP, under its flow lock.
+            match unsafe { ops::post_fence(&mut flow, real) } {
+                0 => {
+                    trace(format_args!(
+                        "qp {:#x}: a fence follows its unsignaled sends",
+                        qp.public.qp_num
+                    ));
+                    return true;
+                }
+                libc::ENOMEM if Instant::now() < deadline => {}
+                _ => return false,
+            }
+        }
+        drain_cqs(qp);
+        std::thread::sleep(DRAIN_POLL);
+    }
 }
 
 /// Posts the sends held on `qp` to its real QP and stops holding.
