@@ -1,13 +1,18 @@
 //! The preloaded program's registration with the guest agent, which makes it a managed
 //! program: the agent asks it to quiesce and resume instead of listing it as unmanaged.
 //!
+//! A program with a listening rdma_cm id is not carried ([`cm`]): while it listens, the link
+//! tells the agent so ([`AppToAgent::Carried`]). It stays registered (its peers' requests
+//! still reach it), but counts as unmanaged: the move's policy (refuse, release, ignore)
+//! applies to it at prepare, as without this library.
+//!
 //! The link starts with the program's first device context, on its own thread: it
 //! connects to the agent's application socket (as the connection library does:
 //! `$RDMAMIG_AGENT_SOCKET`, or [`DEFAULT_AGENT_SOCKET`]), says Hello, and answers each
 //! request on a thread of its own (a peer's pause may wait for sends in flight while the
 //! agent asks for a description). While no agent listens it retries every second.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Once};
@@ -39,6 +44,9 @@ pub fn start() {
     });
 }
 
+/// How often a registered link looks whether the program listens ([`cm::listening`]).
+const LISTEN_CHECK: Duration = Duration::from_millis(200);
+
 fn run() {
     let path = std::env::var_os(AGENT_SOCKET_ENV)
         .map(PathBuf::from)
@@ -67,8 +75,26 @@ fn serve(mut stream: UnixStream) -> std::io::Result<()> {
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
     let mut frames = FrameBuffer::new();
     let mut buf = [0u8; 8192];
+    stream.set_read_timeout(Some(LISTEN_CHECK))?;
+    let mut carried = true;
     loop {
-        let n = stream.read(&mut buf)?;
+        if cm::listening() == carried {
+            carried = !carried;
+            let not_because = (!carried).then(|| {
+                "an rdma_cm id listens for connections (a listener is not carried)".to_owned()
+            });
+            trace(format_args!(
+                "told the agent whether a move can carry this program: {}",
+                not_because.as_deref().unwrap_or("it can")
+            ));
+            let said = AppToAgent::Carried { not_because };
+            locked(&writer).write_all(&Frame::encode(&said))?;
+        }
+        let n = match stream.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             return Ok(());
         }

@@ -31,6 +31,14 @@ pub enum AppToAgent {
         /// What the request produced.
         body: AppReply,
     },
+    /// Whether a move can carry this process now. A process that cannot (a preloaded
+    /// program with a listening rdma_cm id, say) stays registered, so that its peers'
+    /// requests still reach it, but counts as unmanaged: the move's policy (refuse, release,
+    /// ignore) applies to it, as to a program without the library.
+    Carried {
+        /// `None`: it can be carried; otherwise why not.
+        not_because: Option<String>,
+    },
 }
 
 /// The body of an [`AppToAgent::Reply`].

@@ -20,6 +20,8 @@
 //! the moving VM and its server on the peer, each across its own `reconnect` move. Both
 //! ends exit 0, perftest's with every iteration done; the move's DEVICE_REMOVAL never
 //! reaches the program, and rping's server gets its DISCONNECTED from its peer's library.
+//! An rping server in the moving VM cannot be carried (its listener): the move is refused
+//! at prepare, naming it, and the rping pair goes on.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -296,7 +298,7 @@ fn rdma_cm_programs_under_rdmamig_run_keep_their_connections_through_moves() {
     let daemon = Daemon::start(bed.dir()).unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let MoveGuests { peer, src, dst } =
         MoveGuests::start(&bed, "pc").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let vm = moved_rping(&bed, &daemon, &peer, src, dst);
+    let (vm, pings) = moved_rping(&bed, &daemon, &peer, src, dst);
     let mut vm = Some(vm);
     for (round, tool) in ["ib_send_bw", "ib_write_bw"].into_iter().enumerate() {
         let here = vm.take().unwrap();
@@ -307,6 +309,61 @@ fn rdma_cm_programs_under_rdmamig_run_keep_their_connections_through_moves() {
             )
             .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
         vm = Some(moved_perftest(&bed, &daemon, &peer, here, there, tool));
+    }
+    a_listener_refuses_the_move(&bed, &daemon, &peer, &vm.unwrap(), pings);
+}
+
+/// An rping server in the moving VM, with its client on the peer: its listening id cannot
+/// be carried, so its library tells the agent, the program counts as unmanaged, and the
+/// move (the default policy: refuse) is refused at prepare, naming it, before anything
+/// changes; the rping pair goes on to the end untouched.
+fn a_listener_refuses_the_move(
+    bed: &Testbed,
+    daemon: &Daemon,
+    peer: &Guest,
+    vm: &Guest,
+    pings: u32,
+) {
+    let there = bed
+        .start_incoming(bed.incoming_spec(vm.spec(), "pc-listener").unwrap())
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let rping = "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -V";
+    let address = vm.spec().address().to_owned();
+    background(vm, &format!("{rping} -s -a {address}"), "listener-server");
+    wait_rdma_listening(vm);
+    background(
+        peer,
+        &format!("{rping} -c -C {pings} -a {address}"),
+        "listener-client",
+    );
+    wait_for_line(vm, "listener-server", "recorded at RTS")
+        .and_then(|_| wait_for_line(vm, "listener-server", "an rdma_cm id listens"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pid = vm.run_ok("pidof rping", STEP_TIMEOUT).unwrap();
+    let pid = pid.trim();
+    let (out, report) = run_move(
+        daemon.socket(),
+        bed.dir(),
+        (vm, &there),
+        &["--strategy", "reconnect"],
+        "move-listener",
+    );
+    there.kill();
+    let server = finished(vm, "listener-server");
+    let client = finished(peer, "listener-client");
+    eprintln!("----- listener server -----\n{server}\n----- listener client -----\n{client}");
+    assert_eq!(out.status.code(), Some(4), "not refused: {report:#}");
+    assert_eq!(report["failed_phase"], "prepare", "{report:#}");
+    let error = report["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!("PID {pid} (rping -V -s")),
+        "the refusal does not name the rping server (PID {pid}): {error}"
+    );
+    for (log, out) in [("listener server", &server), ("listener client", &client)] {
+        assert!(
+            out.trim_end().ends_with("status 0"),
+            "{log} did not end well after the refused move:\n{out}"
+        );
     }
 }
 
@@ -412,8 +469,14 @@ fn moved_perftest(
 /// Runs an rping server on `peer` and its client on `src` (rdma_cm; data verified, `-V`;
 /// RDMA READ and WRITE with rkeys sent in band), both under rdmamig-run, moves `src` to
 /// `dst` in the middle, and checks that both ended with status 0 and no error; returns the
-/// VM where it arrived.
-fn moved_rping(bed: &Testbed, daemon: &Daemon, peer: &Guest, src: Guest, dst: Guest) -> Guest {
+/// VM where it arrived, and the pings that last about [`MOVED_RUN`].
+fn moved_rping(
+    bed: &Testbed,
+    daemon: &Daemon,
+    peer: &Guest,
+    src: Guest,
+    dst: Guest,
+) -> (Guest, u32) {
     let server_run = format!(
         "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -s -V -a {}",
         peer.spec().address()
@@ -498,7 +561,7 @@ fn moved_rping(bed: &Testbed, daemon: &Daemon, peer: &Guest, src: Guest, dst: Gu
         server.contains("its peer disconnected: DISCONNECTED"),
         "rping server: no DISCONNECTED from its peer's library:\n{server}"
     );
-    vm
+    (vm, count)
 }
 
 /// Waits (30 s at most) until an rdma_cm id in `guest` listens.

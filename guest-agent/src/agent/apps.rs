@@ -35,9 +35,10 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome};
+use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, COMMAND_LEN};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
 use rdmamig_proto::preload::{PeerAnswer, PeerRequest};
+use rdmamig_proto::text::printable;
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 use thiserror::Error;
 use tracing::{debug, info, warn};
@@ -138,6 +139,8 @@ struct App {
     pending: Mutex<HashMap<u64, Sender<AppReply>>>,
     /// The connections it reported last, used to report on it when it stops answering.
     last_described: Mutex<Vec<ConnectionInfo>>,
+    /// Why a move cannot carry it now, if it said so ([`AppToAgent::Carried`]).
+    not_carried: Mutex<Option<String>>,
 }
 
 /// The set of registered processes, shared by the socket listener and the host server.
@@ -216,6 +219,7 @@ impl Apps {
                     writer: Mutex::new(writer),
                     pending: Mutex::new(HashMap::new()),
                     last_described: Mutex::new(Vec::new()),
+                    not_carried: Mutex::new(None),
                 });
                 info!(pid, program = %entry.program, "application registered");
                 self.apps.lock().unwrap().insert(key, entry.clone());
@@ -233,6 +237,17 @@ impl Apps {
                     None => debug!(request, "reply to no pending request (late?)"),
                 }
             }
+            Ok(AppToAgent::Carried { not_because }) => match &client.app {
+                Some((_, app)) => {
+                    let reason = not_because.map(|r| printable(&r, COMMAND_LEN));
+                    match &reason {
+                        Some(why) => info!(pid = app.pid, "a move cannot carry it now: {why}"),
+                        None => info!(pid = app.pid, "a move can carry it again"),
+                    }
+                    *app.not_carried.lock().unwrap() = reason;
+                }
+                None => refuse(&client.stream, &None, "Carried before Hello".into()),
+            },
             Ok(AppToAgent::Hello { .. }) => {
                 warn!("second Hello on one socket refused");
                 refuse(
@@ -263,9 +278,14 @@ impl Apps {
         }
     }
 
-    /// The process ids of the registered processes.
-    pub fn pids(&self) -> Vec<u32> {
-        self.snapshot().iter().map(|app| app.pid).collect()
+    /// The process ids of the registered processes a move can carry (those that said it
+    /// cannot, [`AppToAgent::Carried`], count as unmanaged).
+    pub fn carried_pids(&self) -> Vec<u32> {
+        self.snapshot()
+            .iter()
+            .filter(|app| app.not_carried.lock().unwrap().is_none())
+            .map(|app| app.pid)
+            .collect()
     }
 
     fn snapshot(&self) -> Vec<Arc<App>> {
@@ -832,6 +852,42 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn a_process_that_says_it_cannot_be_carried_counts_as_unmanaged_until_it_can() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let apps = Apps::new();
+        apps.listen(&path, SocketAccess::default()).unwrap();
+        let mut s = UnixStream::connect(&path).unwrap();
+        let me = std::process::id();
+        s.write_all(&Frame::encode(&AppToAgent::Hello {
+            pid: me,
+            program: "listener".into(),
+        }))
+        .unwrap();
+        let until = |carried: bool| {
+            let end = Instant::now() + Duration::from_secs(5);
+            while apps.carried_pids().contains(&me) != carried && Instant::now() < end {
+                thread::sleep(Duration::from_millis(5));
+            }
+            apps.carried_pids().contains(&me) == carried
+        };
+        assert!(until(true), "registered and carried");
+        s.write_all(&Frame::encode(&AppToAgent::Carried {
+            not_because: Some("an rdma_cm id listens".into()),
+        }))
+        .unwrap();
+        assert!(until(false), "still counted as carried");
+        assert_eq!(
+            apps.snapshot().len(),
+            1,
+            "it stays registered (its peers' requests)"
+        );
+        s.write_all(&Frame::encode(&AppToAgent::Carried { not_because: None }))
+            .unwrap();
+        assert!(until(true), "carried again");
+    }
+
+    #[test]
     fn a_hello_that_names_another_process_is_refused() {
         let (apps, dir) = registry_with(|_| None);
         let before = apps.snapshot().len();
@@ -847,7 +903,7 @@ pub(super) mod tests {
         );
         assert_eq!(answer(&mut s), None, "the impostor's socket was not closed");
         assert_eq!(apps.snapshot().len(), before, "the impostor was registered");
-        assert!(!apps.pids().contains(&1));
+        assert!(!apps.carried_pids().contains(&1));
     }
 
     #[test]

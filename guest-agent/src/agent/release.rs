@@ -94,9 +94,10 @@ pub fn holders(proc_root: &Path) -> Vec<Holder> {
     found
 }
 
-/// The holders under `proc_root` that are not processes registered in `apps`.
+/// The holders under `proc_root` that are not processes registered in `apps` that a move
+/// can carry.
 pub fn unmanaged(apps: &Apps, proc_root: &Path) -> Vec<UnmanagedProgram> {
-    let library = apps.pids();
+    let library = apps.carried_pids();
     holders(proc_root)
         .into_iter()
         .filter(|h| !library.contains(&h.pid))
@@ -127,7 +128,7 @@ pub fn release(
     grace: Duration,
     deadline: Instant,
 ) -> Vec<DeviceHolder> {
-    let library: Vec<u32> = apps.pids();
+    let library: Vec<u32> = apps.carried_pids();
     let holding = |h: &Holder| match (library.contains(&h.pid), scope) {
         (false, _) => true,
         (true, ReleaseScope::AllHolders) => h.open_context(),
