@@ -21,8 +21,9 @@
 //! librdmacm runs its own event processing (the connect's walk to RTS, say) on that thread.
 //! The channels librdmacm creates for itself (synchronous ids) stay as they are.
 //!
-//! Not carried: a listening id in the moving VM (its kernel id goes with the device). The
-//! quiesce fails with that reason ([`listening`]).
+//! Not carried: an id listening on one address in the moving VM (its kernel id goes with
+//! the device; one listening on any address lives through the move). The program then
+//! counts as unmanaged ([`listening`], [`crate::link`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::raw::{c_int, c_void};
@@ -138,7 +139,7 @@ pub fn connects(qp: &Qp) -> bool {
     ids().of_qp.contains_key(&(qp as *const Qp as usize))
 }
 
-/// Whether an id of the program listens for connections (a move cannot carry it).
+/// Whether an id of the program listens on one address (a move cannot carry it).
 pub fn listening() -> bool {
     !ids().listening.is_empty()
 }
@@ -460,7 +461,7 @@ pub unsafe extern "C" fn rdma_migrate_id(
     unsafe { next::rdma_migrate_id()(id, real_channel(channel)) }
 }
 
-/// rdma_listen: noted, since a move cannot carry a listener.
+/// rdma_listen: a listener bound to one address is noted, since a move cannot carry it.
 ///
 /// # Safety
 /// As librdmacm's rdma_listen.
@@ -468,10 +469,30 @@ pub unsafe extern "C" fn rdma_migrate_id(
 pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
     // SAFETY: the caller's arguments, to librdmacm's own function.
     let result = unsafe { next::rdma_listen()(id, backlog) };
-    if result == 0 {
+    // SAFETY: the caller's live id, listening.
+    if result == 0 && unsafe { bound_to_one_address(id) } {
         ids().listening.insert(id as usize);
     }
     result
+}
+
+/// Whether `id` is bound to one address: its kernel id is then bound to that address's
+/// device, and goes with it. One bound to any address is not (the kernel listens on every
+/// device, a new one included), and lives through a move.
+///
+/// # Safety
+/// `id` is a live id.
+unsafe fn bound_to_one_address(id: *mut rdma_cm_id) -> bool {
+    // SAFETY: the caller's live id: librdmacm's copy of the address it is bound to, read as
+    // the family it names.
+    unsafe {
+        let bound = &(*id).route.addr.src_addr_union;
+        match c_int::from(bound.src_storage.ss_family) {
+            libc::AF_INET => bound.src_sin.sin_addr.s_addr != 0,
+            libc::AF_INET6 => bound.src_sin6.sin6_addr.s6_addr != [0; 16],
+            _ => true,
+        }
+    }
 }
 
 /// rdma_destroy_id: the id's waiting events are acknowledged first (librdmacm's destroy

@@ -1,10 +1,10 @@
 //! The preloaded program's registration with the guest agent, which makes it a managed
 //! program: the agent asks it to quiesce and resume instead of listing it as unmanaged.
 //!
-//! A program with a listening rdma_cm id is not carried ([`cm`]): while it listens, the link
-//! tells the agent so ([`AppToAgent::Carried`]). It stays registered (its peers' requests
-//! still reach it), but counts as unmanaged: the move's policy (refuse, release, ignore)
-//! applies to it at prepare, as without this library.
+//! A program with an rdma_cm id listening on one address is not carried ([`cm`]): while it
+//! listens, the link tells the agent so ([`AppToAgent::Carried`]). It stays registered (its
+//! peers' requests still reach it), but counts as unmanaged: the move's policy (refuse,
+//! release, ignore) applies to it at prepare, as without this library.
 //!
 //! The link starts with the program's first device context, on its own thread: it
 //! connects to the agent's application socket (as the connection library does:
@@ -81,7 +81,7 @@ fn serve(mut stream: UnixStream) -> std::io::Result<()> {
         if cm::listening() == carried {
             carried = !carried;
             let not_because = (!carried).then(|| {
-                "an rdma_cm id listens for connections (a listener is not carried)".to_owned()
+                "an rdma_cm id listens on one address (such a listener is not carried)".to_owned()
             });
             trace(format_args!(
                 "told the agent whether a move can carry this program: {}",

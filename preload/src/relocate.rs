@@ -78,8 +78,8 @@ pub enum MoveError {
         #[source]
         source: std::io::Error,
     },
-    /// An rdma_cm id listens: its kernel id goes with the device, and nothing makes it again.
-    #[error("an rdma_cm id listens for connections here: a listener is not carried")]
+    /// An rdma_cm id listens on one address: its kernel id goes with the device.
+    #[error("an rdma_cm id listens on one address here: such a listener is not carried")]
     Listening,
     /// No device has the GID the QPs used, within the deadline.
     #[error("no RDMA device has the GID {gid} (the QPs' source address)")]

@@ -20,8 +20,10 @@
 //! the moving VM and its server on the peer, each across its own `reconnect` move. Both
 //! ends exit 0, perftest's with every iteration done; the move's DEVICE_REMOVAL never
 //! reaches the program, and rping's server gets its DISCONNECTED from its peer's library.
-//! An rping server in the moving VM cannot be carried (its listener): the move is refused
-//! at prepare, naming it, and the rping pair goes on.
+//! An rping server in the moving VM listening on one address cannot be carried (its kernel
+//! listener goes with the device): the move is refused at prepare, naming it, and the
+//! rping pair goes on. A persistent one listening on any address moves: its connection
+//! lives through the move, and a new client connects after it.
 //!
 //! Needs root, /dev/net/tun and qemu-system-x86_64; fails (never skips) without them.
 
@@ -37,7 +39,7 @@ const PINGPONG_PORT: u16 = 18515;
 const ITERS: u32 = 500;
 
 #[test]
-fn ibv_rc_pingpong_runs_on_virtual_verbs_objects_with_and_without_completion_events() {
+fn ibv_rc_pingpong_runs_on_virtual_verbs_objects_and_a_verb_not_carried_fails_at_the_call() {
     let bed = Testbed::new("preload").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let (a, b) = two_guests(&bed);
     for (options, channel) in [("", false), ("-e", true)] {
@@ -63,6 +65,7 @@ fn ibv_rc_pingpong_runs_on_virtual_verbs_objects_with_and_without_completion_eve
             check_record(side, out);
         }
     }
+    a_verb_the_library_does_not_carry_fails_at_the_call(&a);
 }
 
 /// What the library recorded of the QP must be what the program set up: the remote QP
@@ -111,13 +114,11 @@ fn check_record(side: &str, out: &str) {
     );
 }
 
-#[test]
-fn a_verb_the_library_does_not_carry_fails_at_the_call() {
-    let bed = Testbed::new("preload-no").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let (a, _b) = two_guests(&bed);
-    // --new_send creates its QP with ibv_create_qp_ex and posts with ibv_wr_*: extended
-    // verbs, which find no ops in a virtual context.
-    let out = a
+/// A verb the library does not carry fails at the call: `--new_send` creates its QP with
+/// ibv_create_qp_ex and posts with ibv_wr_* (extended verbs, which find no ops in a virtual
+/// context).
+fn a_verb_the_library_does_not_carry_fails_at_the_call(guest: &Guest) {
+    let out = guest
         .run(
             "timeout 60 rdmamig-run -- ibv_rc_pingpong -g 1 --new_send",
             COMMAND,
@@ -310,7 +311,79 @@ fn rdma_cm_programs_under_rdmamig_run_keep_their_connections_through_moves() {
             .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
         vm = Some(moved_perftest(&bed, &daemon, &peer, here, there, tool));
     }
-    a_listener_refuses_the_move(&bed, &daemon, &peer, &vm.unwrap(), pings);
+    let vm = vm.unwrap();
+    a_listener_refuses_the_move(&bed, &daemon, &peer, &vm, pings);
+    a_server_listening_on_any_address_moves(&bed, &daemon, &peer, vm, pings);
+}
+
+/// A persistent rping server in the moving VM listening on any address, its client on the
+/// peer: the kernel keeps such a listener on every device, so the program is carried. The
+/// connection lives through the move (the server's QP is the one rebuilt, and the client's
+/// walked to it), and a new client connects to the server after it.
+fn a_server_listening_on_any_address_moves(
+    bed: &Testbed,
+    daemon: &Daemon,
+    peer: &Guest,
+    vm: Guest,
+    pings: u32,
+) {
+    let there = bed
+        .start_incoming(bed.incoming_spec(vm.spec(), "pc-any").unwrap())
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let rping = "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -V";
+    let address = vm.spec().address().to_owned();
+    // -P: a thread per connection, and no end; no -a: bound to any address.
+    background(&vm, &format!("{rping} -s -P"), "any-server");
+    wait_rdma_listening(&vm);
+    let client = |count: u32| format!("{rping} -c -C {count} -a {address}");
+    background(peer, &client(pings), "any-client");
+    wait_for_line(&vm, "any-server", "recorded at RTS").unwrap_or_else(|e| panic!("{e}"));
+    std::thread::sleep(Duration::from_secs(2));
+    let (out, report) = run_move(
+        daemon.socket(),
+        bed.dir(),
+        (&vm, &there),
+        &["--strategy", "reconnect"],
+        "move-any",
+    );
+    vm.kill();
+    there.reattach_console().unwrap();
+    let moved_client = finished(peer, "any-client");
+    let after = peer.run(&client(20), COMMAND).unwrap();
+    let _ = there.run("kill $(pidof rping)", STEP_TIMEOUT);
+    let server = finished(&there, "any-server");
+    eprintln!(
+        "----- any-address server -----\n{server}\n----- its client through the move -----\n\
+         {moved_client}\n----- a client after the move -----\n{}",
+        after.output
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the move did not complete: {report:#}"
+    );
+    assert!(
+        moved_client.trim_end().ends_with("status 0"),
+        "the client through the move did not end well:\n{moved_client}"
+    );
+    assert_eq!(
+        after.status, 0,
+        "a client after the move did not get through:\n{}",
+        after.output
+    );
+    assert!(
+        server.contains("released the device") && server.contains("rebuilt as real qp"),
+        "the server was not moved:\n{server}"
+    );
+    for error in ["data mismatch", "error", "failed", "removal"] {
+        assert!(
+            !server
+                .lines()
+                .filter(|l| !l.starts_with("rdmamig-preload"))
+                .any(|l| l.contains(error)),
+            "the server says {error:?}:\n{server}"
+        );
+    }
 }
 
 /// An rping server in the moving VM, with its client on the peer: its listening id cannot
