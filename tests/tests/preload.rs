@@ -237,23 +237,17 @@ fn moved_pingpong(
     let unpreloaded = options.is_empty().then(|| unpreloaded_copy(peer, &src));
     std::thread::sleep(Duration::from_secs(2));
 
-    let (out, report) = run_move(
-        daemon.socket(),
-        bed.dir(),
-        (&src, &dst),
+    let Moved {
+        report,
+        vm,
+        client,
+        server,
+    } = move_mid_run(
+        (bed, daemon, peer),
+        (src, dst),
         &["--strategy", "reconnect", "--unmanaged", "release"],
         &format!("move-{round}"),
-    );
-    src.kill();
-    dst.reattach_console().unwrap();
-    let vm = dst;
-    let client = finished(&vm, &client_log);
-    let server = finished(peer, &server_log);
-    eprintln!("----- {client_log} -----\n{client}\n----- {server_log} -----\n{server}");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{round}: the move did not complete: {report:#}"
+        (&client_log, &server_log),
     );
     // The preloaded program is managed; only the unpreloaded copy is not, and it was ended.
     let unmanaged: Vec<(u64, &str)> = report["unmanaged"]
@@ -499,23 +493,14 @@ fn moved_perftest(
     background(&src, &run(iters, Some(&address)), &client_log);
     wait_for_line(&src, &client_log, "recorded at RTS").unwrap_or_else(|e| panic!("{e}"));
     std::thread::sleep(Duration::from_secs(2));
-    let (out, report) = run_move(
-        daemon.socket(),
-        bed.dir(),
-        (&src, &dst),
+    let Moved {
+        vm, client, server, ..
+    } = move_mid_run(
+        (bed, daemon, peer),
+        (src, dst),
         &["--strategy", "reconnect"],
         &format!("move-{tool}"),
-    );
-    src.kill();
-    dst.reattach_console().unwrap();
-    let vm = dst;
-    let client = finished(&vm, &client_log);
-    let server = finished(peer, &server_log);
-    eprintln!("----- {client_log} -----\n{client}\n----- {server_log} -----\n{server}");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{tool}: the move did not complete: {report:#}"
+        (&client_log, &server_log),
     );
     for (log, out) in [(&client_log, &client), (&server_log, &server)] {
         assert!(
@@ -591,23 +576,14 @@ fn moved_rping(
             .unwrap_or_else(|e| panic!("{log}: {e}"));
     }
     std::thread::sleep(Duration::from_secs(2));
-    let (out, report) = run_move(
-        daemon.socket(),
-        bed.dir(),
-        (&src, &dst),
+    let Moved {
+        vm, client, server, ..
+    } = move_mid_run(
+        (bed, daemon, peer),
+        (src, dst),
         &["--strategy", "reconnect"],
         "move-rping",
-    );
-    src.kill();
-    dst.reattach_console().unwrap();
-    let vm = dst;
-    let client = finished(&vm, "rping-client");
-    let server = finished(peer, "rping-server");
-    eprintln!("----- rping client -----\n{client}\n----- rping server -----\n{server}");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "the move did not complete: {report:#}"
+        ("rping-client", "rping-server"),
     );
     for (log, out) in [("rping client", &client), ("rping server", &server)] {
         assert!(
@@ -648,6 +624,47 @@ fn wait_rdma_listening(guest: &Guest) {
         )
         .unwrap();
     assert_eq!(out.status, 0, "no rdma_cm listener in 30 s: {}", out.output);
+}
+
+/// What a move in the middle of a client's run gave.
+struct Moved {
+    /// The move's report.
+    report: serde_json::Value,
+    /// The VM where it arrived.
+    vm: Guest,
+    /// The client's output (in the VM that moved) and status, once it ended.
+    client: String,
+    /// The server's output (on the peer) and status, once it ended.
+    server: String,
+}
+
+/// Moves `src` to `dst` with `args` (the report named `name`) while a client runs there and
+/// its server on the peer, waits for both to end (their logs `logs`: client, server), and
+/// checks that the move completed.
+fn move_mid_run(
+    (bed, daemon, peer): (&Testbed, &Daemon, &Guest),
+    (src, dst): (Guest, Guest),
+    args: &[&str],
+    name: &str,
+    (client_log, server_log): (&str, &str),
+) -> Moved {
+    let (out, report) = run_move(daemon.socket(), bed.dir(), (&src, &dst), args, name);
+    src.kill();
+    dst.reattach_console().unwrap();
+    let client = finished(&dst, client_log);
+    let server = finished(peer, server_log);
+    eprintln!("----- {client_log} -----\n{client}\n----- {server_log} -----\n{server}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{name}: the move did not complete: {report:#}"
+    );
+    Moved {
+        report,
+        vm: dst,
+        client,
+        server,
+    }
 }
 
 /// The port of the unpreloaded copy's server.
