@@ -135,6 +135,10 @@ mod tests {
                     }],
                 },
             },
+            AppToAgent::Carried {
+                not_because: Some("an rdma_cm id listens on one address".into()),
+            },
+            AppToAgent::Carried { not_because: None },
         ];
         for m in msgs {
             let mut fb = FrameBuffer::new();
