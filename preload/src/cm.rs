@@ -42,7 +42,7 @@ use rdmamig_proto::preload::PeerRequest;
 use crate::objects::{self, find, locked, publish, retire, trace, Kind, Qp, Virtual};
 use crate::peer::{self, ip_of};
 use crate::relocate::control;
-use crate::{exports, next};
+use crate::{exports, link, next};
 
 /// How long a disconnect waits for the other end's agent: the program is ending the
 /// connection, and the other end, if it is gone, needs no telling.
@@ -471,7 +471,13 @@ pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_i
     let result = unsafe { next::rdma_listen()(id, backlog) };
     // SAFETY: the caller's live id, listening.
     if result == 0 && unsafe { bound_to_one_address(id) } {
-        ids().listening.insert(id as usize);
+        let first = {
+            let mut ids = ids();
+            ids.listening.insert(id as usize) && ids.listening.len() == 1
+        };
+        if first {
+            link::tell_carried();
+        }
     }
     result
 }
@@ -503,13 +509,17 @@ unsafe fn bound_to_one_address(id: *mut rdma_cm_id) -> bool {
 #[no_mangle]
 pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
     let key = id as usize;
-    {
+    let last_listener = {
         let mut ids = ids();
         ids.dying.insert(key);
-        ids.listening.remove(&key);
+        let last_listener = ids.listening.remove(&key) && ids.listening.is_empty();
         ids.disconnected.remove(&key);
         ids.to_disconnect.retain(|of| *of != key);
         ids.of_qp.retain(|_, of| *of != key);
+        last_listener
+    };
+    if last_listener {
+        link::tell_carried();
     }
     for channel in objects::all::<EventChannel>() {
         // SAFETY: a live channel; each waiting event's id is live (or this very one).

@@ -12,10 +12,10 @@
 //! request on a thread of its own (a peer's pause may wait for sends in flight while the
 //! agent asks for a description). While no agent listens it retries every second.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, ConnectionState, QuiesceMode, Role};
@@ -44,9 +44,6 @@ pub fn start() {
     });
 }
 
-/// How often a registered link looks whether the program listens ([`cm::listening`]).
-const LISTEN_CHECK: Duration = Duration::from_millis(200);
-
 fn run() {
     let path = std::env::var_os(AGENT_SOCKET_ENV)
         .map(PathBuf::from)
@@ -65,6 +62,33 @@ fn run() {
     }
 }
 
+/// The live connection to the agent, once it has said Hello: what answers and
+/// [`tell_carried`] write to.
+static AGENT: Mutex<Option<UnixStream>> = Mutex::new(None);
+
+/// Writes `message` to the agent, if connected.
+fn send(message: &AppToAgent) -> std::io::Result<()> {
+    match locked(&AGENT).as_mut() {
+        Some(agent) => agent.write_all(&Frame::encode(message)),
+        None => Ok(()),
+    }
+}
+
+/// Tells the agent whether a move can carry this program now ([`cm::listening`]); called
+/// once registered, and by [`cm`] whenever that changes.
+pub fn tell_carried() {
+    let not_because = cm::listening().then(|| {
+        "an rdma_cm id listens on one address (such a listener is not carried)".to_owned()
+    });
+    trace(format_args!(
+        "told the agent whether a move can carry this program: {}",
+        not_because.as_deref().unwrap_or("it can")
+    ));
+    if let Err(e) = send(&AppToAgent::Carried { not_because }) {
+        trace(format_args!("the agent was not told: {e}"));
+    }
+}
+
 fn serve(mut stream: UnixStream) -> std::io::Result<()> {
     let program = std::env::args().next().unwrap_or_default();
     let hello = AppToAgent::Hello {
@@ -72,29 +96,19 @@ fn serve(mut stream: UnixStream) -> std::io::Result<()> {
         program,
     };
     stream.write_all(&Frame::encode(&hello))?;
-    let writer = Arc::new(Mutex::new(stream.try_clone()?));
+    *locked(&AGENT) = Some(stream.try_clone()?);
+    tell_carried();
+    let served = read_requests(&mut stream);
+    *locked(&AGENT) = None;
+    served
+}
+
+/// Reads the agent's requests until it closes, answering each on a thread of its own.
+fn read_requests(stream: &mut UnixStream) -> std::io::Result<()> {
     let mut frames = FrameBuffer::new();
     let mut buf = [0u8; 8192];
-    stream.set_read_timeout(Some(LISTEN_CHECK))?;
-    let mut carried = true;
     loop {
-        if cm::listening() == carried {
-            carried = !carried;
-            let not_because = (!carried).then(|| {
-                "an rdma_cm id listens on one address (such a listener is not carried)".to_owned()
-            });
-            trace(format_args!(
-                "told the agent whether a move can carry this program: {}",
-                not_because.as_deref().unwrap_or("it can")
-            ));
-            let said = AppToAgent::Carried { not_because };
-            locked(&writer).write_all(&Frame::encode(&said))?;
-        }
-        let n = match stream.read(&mut buf) {
-            Ok(n) => n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
-            Err(e) => return Err(e),
-        };
+        let n = stream.read(&mut buf)?;
         if n == 0 {
             return Ok(());
         }
@@ -103,10 +117,9 @@ fn serve(mut stream: UnixStream) -> std::io::Result<()> {
             let Ok(request) = frame.decode::<AgentToApp>() else {
                 continue;
             };
-            let writer = writer.clone();
             let answer = move || {
                 if let Some(reply) = answer(&request) {
-                    let _ = locked(&writer).write_all(&Frame::encode(&reply));
+                    let _ = send(&reply);
                 }
                 cm::deliver_disconnects();
             };
