@@ -199,10 +199,6 @@ impl Carried {
     fn state(&self) -> ibv_qp_state::Type {
         locked(&self.qp().record).setup.state()
     }
-
-    fn cqs(&self) -> Vec<*mut Cq> {
-        cqs_of_qp(self.qp())
-    }
 }
 
 /// Every live virtual QP.
@@ -837,7 +833,7 @@ fn rebuild_qp(qp: Carried, gid_index: u8, deadline: Instant) -> Result<(), MoveE
     }
     // SAFETY: the live real QP just made.
     let real_qpn = unsafe { (*real).qp_num };
-    for cq in qp.cqs() {
+    for cq in cqs_of_qp(object) {
         // SAFETY: a live virtual CQ.
         let mut cq_state = locked(unsafe { &(*cq).state });
         for member in cq_state

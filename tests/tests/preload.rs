@@ -186,9 +186,7 @@ fn ibv_rc_pingpong_under_rdmamig_run_keeps_its_connection_through_moves() {
     // back with completion events (the program sleeps in ibv_get_cq_event while the move
     // takes its channel away).
     let vm = moved_pingpong(&bed, &daemon, &peer, src, dst, "");
-    let back = bed
-        .start_incoming(bed.incoming_spec(vm.spec(), "pm-back").unwrap())
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    let back = incoming(&bed, &vm, "pm-back");
     moved_pingpong(&bed, &daemon, &peer, vm, back, "-e");
 }
 
@@ -285,6 +283,15 @@ fn moved_pingpong(
     vm
 }
 
+/// rping under rdmamig-run, traced, with data verification (`-V`).
+const RPING: &str = "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -V";
+
+/// A destination QEMU for `vm`'s next move, named `name`.
+fn incoming(bed: &Testbed, vm: &Guest, name: &str) -> Guest {
+    bed.start_incoming(bed.incoming_spec(vm.spec(), name).unwrap())
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)))
+}
+
 /// rping's iterations for measuring its rate before the moved run.
 const RPING_RATE_COUNT: u32 = 200;
 
@@ -298,12 +305,7 @@ fn rdma_cm_programs_under_rdmamig_run_keep_their_connections_through_moves() {
     let mut vm = Some(vm);
     for (round, tool) in ["ib_send_bw", "ib_write_bw"].into_iter().enumerate() {
         let here = vm.take().unwrap();
-        let there = bed
-            .start_incoming(
-                bed.incoming_spec(here.spec(), &format!("pc-{round}"))
-                    .unwrap(),
-            )
-            .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+        let there = incoming(&bed, &here, &format!("pc-{round}"));
         vm = Some(moved_perftest(&bed, &daemon, &peer, here, there, tool));
     }
     let vm = vm.unwrap();
@@ -322,15 +324,12 @@ fn a_server_listening_on_any_address_moves(
     vm: Guest,
     pings: u32,
 ) {
-    let there = bed
-        .start_incoming(bed.incoming_spec(vm.spec(), "pc-any").unwrap())
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let rping = "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -V";
+    let there = incoming(bed, &vm, "pc-any");
     let address = vm.spec().address().to_owned();
     // -P: a thread per connection, and no end; no -a: bound to any address.
-    background(&vm, &format!("{rping} -s -P"), "any-server");
+    background(&vm, &format!("{RPING} -s -P"), "any-server");
     wait_rdma_listening(&vm);
-    let client = |count: u32| format!("{rping} -c -C {count} -a {address}");
+    let client = |count: u32| format!("{RPING} -c -C {count} -a {address}");
     background(peer, &client(pings), "any-client");
     wait_for_line(&vm, "any-server", "recorded at RTS").unwrap_or_else(|e| panic!("{e}"));
     std::thread::sleep(Duration::from_secs(2));
@@ -392,16 +391,13 @@ fn a_listener_refuses_the_move(
     vm: &Guest,
     pings: u32,
 ) {
-    let there = bed
-        .start_incoming(bed.incoming_spec(vm.spec(), "pc-listener").unwrap())
-        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
-    let rping = "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -V";
+    let there = incoming(bed, vm, "pc-listener");
     let address = vm.spec().address().to_owned();
-    background(vm, &format!("{rping} -s -a {address}"), "listener-server");
+    background(vm, &format!("{RPING} -s -a {address}"), "listener-server");
     wait_rdma_listening(vm);
     background(
         peer,
-        &format!("{rping} -c -C {pings} -a {address}"),
+        &format!("{RPING} -c -C {pings} -a {address}"),
         "listener-client",
     );
     wait_for_line(vm, "listener-server", "recorded at RTS")
@@ -536,16 +532,8 @@ fn moved_rping(
     src: Guest,
     dst: Guest,
 ) -> (Guest, u32) {
-    let server_run = format!(
-        "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -s -V -a {}",
-        peer.spec().address()
-    );
-    let client_run = |count: u32| {
-        format!(
-            "RDMAMIG_PRELOAD_TRACE=1 rdmamig-run -- rping -c -V -C {count} -a {}",
-            peer.spec().address()
-        )
-    };
+    let server_run = format!("{RPING} -s -a {}", peer.spec().address());
+    let client_run = |count: u32| format!("{RPING} -c -C {count} -a {}", peer.spec().address());
     // The rate here, so that the moved run lasts about MOVED_RUN whatever the machine.
     background(peer, &server_run, "rping-rate-server");
     wait_rdma_listening(peer);
