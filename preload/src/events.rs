@@ -3,8 +3,9 @@
 //! A program that sleeps on completion events (ibv_get_cq_event) must neither sleep inside
 //! the kernel on a channel a move is about to destroy (nothing would ever wake it, and the
 //! unplug would wait for it), nor miss the completions a move drained for it. So the wait
-//! is on the channel's descriptor, [`WAIT_STEP`] at a time, outside the move's gate: only
-//! once the descriptor is readable does it take the gate and read the event. Between waits
+//! is on the channel's descriptor, [`WAIT_STEP_MS`] at a time, outside the move's gate: only
+//! once the descriptor is readable does it take the gate and read the event (looking again
+//! first if a move began meanwhile). Between waits
 //! it looks at the channel's CQs: an armed CQ with completions a move drained
 //! ([`crate::objects::CqState::buffer`]) gets its event from here, as the real CQ would
 //! have given it had nothing moved.
@@ -22,8 +23,8 @@ use std::sync::atomic::Ordering;
 use rdma_sys::{ibv_comp_channel, ibv_cq};
 
 use crate::next;
-use crate::objects::{self, find, locked, real, Channel, Cq};
-use crate::relocate::control;
+use crate::objects::{self, find, locked, real, Channel, Cq, Drained};
+use crate::relocate::{control, moves_begun};
 
 /// How long one wait on the channel's descriptor lasts before looking again for a move's
 /// completions (a move changes the file behind the descriptor, never its number).
@@ -43,6 +44,7 @@ pub unsafe fn next_event(
     let fd = unsafe { (*channel).fd };
     let blocking = !nonblocking(fd);
     loop {
+        let moves = moves_begun();
         if let Some(drained) = drained_event(channel) {
             // SAFETY: a live virtual CQ; the out-pointers are the caller's.
             unsafe {
@@ -56,7 +58,9 @@ pub unsafe fn next_event(
         }
         let _device = control();
         let real_channel = real::<Channel>(channel);
-        if real_channel.is_null() || (blocking && !readable(fd, 0)) {
+        // A move since the wait may have put another file behind the descriptor: look again.
+        let moved = moves_begun() != moves;
+        if real_channel.is_null() || (blocking && moved && !readable(fd, 0)) {
             if blocking {
                 continue;
             }
@@ -125,6 +129,9 @@ pub unsafe fn ack_all(real: *mut ibv_cq, unacked: &mut c_uint) {
 /// The first CQ of `channel` the program armed that holds completions a move drained; it
 /// is disarmed, as an event disarms a real CQ.
 fn drained_event(channel: *mut ibv_comp_channel) -> Option<*mut ibv_cq> {
+    if !Drained::any() {
+        return None;
+    }
     objects::all::<Cq>().into_iter().find_map(|cq| {
         // SAFETY: a live virtual CQ; its channel never changes.
         let object = unsafe { &*cq };

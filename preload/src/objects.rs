@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::raw::{c_int, c_uint};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rdma_sys::{
@@ -109,13 +109,54 @@ pub struct Cq {
     pub state: Mutex<CqState>,
 }
 
+/// Completions a move drained from a real CQ before releasing it, oldest first: the program
+/// gets them before any newer one. All CQs' buffers together are counted
+/// ([`Drained::any`]), so that the data path looks through the CQs only when one may hold
+/// some: after a move, until the program has polled them.
+#[derive(Default)]
+pub struct Drained(VecDeque<ibv_wc>);
+
+/// How many completions all [`Drained`] buffers hold.
+static DRAINED: AtomicUsize = AtomicUsize::new(0);
+
+impl Drained {
+    /// Whether any CQ's buffer holds a completion.
+    pub fn any() -> bool {
+        DRAINED.load(Ordering::Acquire) > 0
+    }
+
+    /// Adds completions at the back.
+    pub fn extend(&mut self, completions: impl IntoIterator<Item = ibv_wc>) {
+        let before = self.0.len();
+        self.0.extend(completions);
+        DRAINED.fetch_add(self.0.len() - before, Ordering::AcqRel);
+    }
+
+    /// The oldest completion, taken out.
+    pub fn pop_front(&mut self) -> Option<ibv_wc> {
+        let completion = self.0.pop_front()?;
+        DRAINED.fetch_sub(1, Ordering::AcqRel);
+        Some(completion)
+    }
+
+    /// Whether this buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Drop for Drained {
+    fn drop(&mut self) {
+        DRAINED.fetch_sub(self.0.len(), Ordering::AcqRel);
+    }
+}
+
 /// A CQ's completions taken from the real CQ but not yet by the program, and the QPs that
 /// complete here.
 #[derive(Default)]
 pub struct CqState {
-    /// Completions a move drained from the real CQ before releasing it, oldest first: the
-    /// program gets them before any newer one.
-    pub buffer: VecDeque<ibv_wc>,
+    /// What a move drained from the real CQ.
+    pub buffer: Drained,
     /// The virtual QPs whose work completes here.
     pub members: Vec<Member>,
     /// The program asked for a completion event (req_notify_cq) and has not had it yet: a
@@ -356,6 +397,22 @@ pub fn retire<V: Virtual>(public: *mut V::Public) -> Option<Box<V>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drained_completions_are_counted_until_polled_or_dropped() {
+        let count = || DRAINED.load(Ordering::Acquire);
+        let before = count();
+        // SAFETY: all-zero is a valid ibv_wc.
+        let wc = || -> ibv_wc { unsafe { std::mem::zeroed() } };
+        let mut one = Drained::default();
+        one.extend([wc(), wc(), wc()]);
+        assert_eq!(count(), before + 3);
+        assert!(Drained::any());
+        assert!(one.pop_front().is_some());
+        assert_eq!(count(), before + 2);
+        drop(one);
+        assert_eq!(count(), before);
+    }
 
     #[test]
     fn an_object_is_found_only_as_its_own_kind_and_only_while_live() {

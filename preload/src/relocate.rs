@@ -26,7 +26,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::os::raw::c_int;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -148,10 +148,20 @@ pub fn control() -> Option<ControlGuard> {
     Some(ControlGuard(()))
 }
 
+/// How many times the gate closed.
+static CLOSINGS: AtomicU64 = AtomicU64::new(0);
+
+/// How many moves have begun (closed the gate): a wait that saw the same number before and
+/// after, the second time at the open gate, saw the same devices' files throughout.
+pub fn moves_begun() -> u64 {
+    CLOSINGS.load(Ordering::Acquire)
+}
+
 /// Closes the gate once no control verb is in progress.
 fn close_gate() {
     let mut state = locked(&GATE.state);
     state.0 = true;
+    CLOSINGS.fetch_add(1, Ordering::AcqRel);
     while state.1 > 0 {
         state = GATE.changed.wait(state).unwrap_or_else(|e| e.into_inner());
     }
