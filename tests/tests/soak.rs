@@ -1,6 +1,8 @@
 //! The soak and fault test, on the test bed: one VM moves back and forth
-//! `RDMAMIG_SOAK_MOVES` times (20 by default; set it higher for a long run by hand) with
-//! traffic both ways, while faults chosen from a seed hit its moves at random points:
+//! `RDMAMIG_SOAK_MOVES` times (12 by default; set it higher for a long run by hand) with
+//! traffic both ways, while faults hit its moves at random points. The faults are dealt
+//! from a deck shuffled by a seed that holds every fault equally often (twice in the
+//! default 12 moves), so that each fault is tried in every run:
 //! - the guest agent killed (and started again once the move has ended);
 //! - the daemon killed and restarted (it finishes or rolls back the move from its journal);
 //! - a flood of idle connections on the daemon's API socket and on its `[peer]` port;
@@ -95,6 +97,17 @@ impl Rng {
     }
 }
 
+/// `moves` faults, each of [`FAULTS`] as often as the others (a remainder repeats the first
+/// ones), in an order the seed decides (Fisher-Yates).
+fn shuffled_deck(rng: &mut Rng, moves: usize) -> Vec<Fault> {
+    let mut deck: Vec<Fault> = FAULTS.iter().copied().cycle().take(moves).collect();
+    for i in (1..deck.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        deck.swap(i, j);
+    }
+    deck
+}
+
 #[test]
 fn moves_back_and_forth_under_random_faults_lose_nothing() {
     let seed: u64 = std::env::var("RDMAMIG_SOAK_SEED")
@@ -109,7 +122,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     let moves: usize = std::env::var("RDMAMIG_SOAK_MOVES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(2 * FAULTS.len());
     say(&format!(
         "soak: seed {seed} (RDMAMIG_SOAK_SEED={seed} repeats this run), {moves} moves"
     ));
@@ -120,6 +133,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
             .unwrap_or_else(|| panic!("RDMAMIG_SOAK_FAULT={name}: not one of {FAULTS:?}"))
     });
     let mut rng = Rng(seed);
+    let deck = shuffled_deck(&mut rng, moves);
 
     let bed = Testbed::new("soak").unwrap_or_else(|e| panic!("{}", error_chain(&e)));
     let pki = Pki::new(&bed.dir().join("pki")).unwrap();
@@ -158,8 +172,7 @@ fn moves_back_and_forth_under_random_faults_lose_nothing() {
     let (mut vm, mut next) = (src, Some(dst));
 
     for n in 1..=moves {
-        let fault = FAULTS[rng.below(FAULTS.len() as u64) as usize];
-        let fault = forced.unwrap_or(fault);
+        let fault = forced.unwrap_or(deck[n - 1]);
         let at = Duration::from_millis(rng.below(3000));
         let dst = match next.take() {
             Some(dst) => dst,
