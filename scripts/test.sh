@@ -38,8 +38,8 @@ cp target/release/rdmamig target/release/rdmamig-fault-injection
 cargo build --release --workspace --bins --lib
 
 # Every decoder of untrusted bytes, fuzzed for a bounded time; a crash fails the run.
-step "fuzzing (30 s per target)"
-scripts/fuzz.sh 30
+step "fuzzing (20 s per target)"
+scripts/fuzz.sh 20
 
 step "test-bed scenarios (one at a time: each runs several TCG guests)"
 cargo test --release -p rdmamig-testbed -- --test-threads=1
