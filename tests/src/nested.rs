@@ -29,8 +29,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use rdmamig_images::init::{
-    AGENT_PORT_NAME, NOT_READY_MARKER, PARAM_DRIVER, PARAM_IP, PARAM_MAC, PARAM_NIC_LATER,
-    PARAM_PERMANENT_IP, PARAM_PERMANENT_MAC, READY_MARKER,
+    AGENT_PORT_NAME, NOT_READY_MARKER, PARAM_DRIVER, PARAM_IP, PARAM_MAC, PARAM_PERMANENT_IP,
+    PARAM_PERMANENT_MAC, READY_MARKER,
 };
 use rdmamig_images::{Image, ImageSpec};
 use serde_json::Value;
@@ -613,16 +613,9 @@ fn vm_args(spec: &VmSpec, host: &str, dir: &str, tap: &str) -> Vec<String> {
         format!(
             "-append 'console=ttyS0 panic=-1 quiet {PARAM_IP}={} {PARAM_MAC}={} \
              {PARAM_DRIVER}={VF_DRIVER} {PARAM_PERMANENT_IP}=10.78.0.{n}/24 \
-             {PARAM_PERMANENT_MAC}=52:54:00:78:00:{n:02x}{later}'",
+             {PARAM_PERMANENT_MAC}=52:54:00:78:00:{n:02x}'",
             spec.ip(),
-            spec.mac(),
-            // Booted without its VF (a snapshot cannot hold one in use): ready at once,
-            // not after /init's 30 s wait for a NIC, which a nested VM spends polling.
-            later = if spec.vf.is_none() {
-                format!(" {PARAM_NIC_LATER}")
-            } else {
-                String::new()
-            },
+            spec.mac()
         ),
         format!(
             "-chardev socket,id=ser0,host={host},port={},server=on,wait=off,logfile={dir}/console.log",
