@@ -156,7 +156,7 @@ pub fn netplug_script(p: &ScriptPaths<'_>) -> String {
 # address ({PARAM_IP}=), link and Soft-RoCE device, at boot and whenever one is hot-plugged;
 # `permanent` gives the permanent NIC ({PARAM_PERMANENT_MAC}=) its address
 # ({PARAM_PERMANENT_IP}=) and link, once, at boot.
-# Usage: rdmamig-netplug mac | monitor | wait-active [SECONDS] | status | permanent
+# Usage: rdmamig-netplug mac | monitor | wait-active [SECONDS [STEP]] | status | permanent
 IP={ip}
 RDMA={rdma}
 addr=
@@ -233,12 +233,15 @@ configure() {{
   fi
   # A no-op when the link is already up.
   $IP link set "$dev" up || {{ log "$dev: cannot set the link up"; return 1; }}
-  n=0
-  until [ "$(cat "/sys/class/net/$dev/carrier" 2>/dev/null)" = 1 ]; do
-    n=$((n + 1))
-    if [ $n -gt 200 ]; then log "$dev: no carrier after 10 s"; return 1; fi
-    sleep 0.05
-  done
+  # No carrier yet: its coming is a link event, which calls this again. Never poll for it:
+  # a nested VM's VF takes minutes for its link, and polling (a process start per poll,
+  # seconds each there) kept the VM's CPU busy all that time.
+  carrier=0
+  read -r carrier 2>/dev/null <"/sys/class/net/$dev/carrier"
+  if [ "$carrier" != 1 ]; then
+    log "$dev: waiting for its carrier"
+    return 0
+  fi
   [ -n "$rxe" ] && {{ log "$dev: address set"; return 0; }}
   # The Soft-RoCE device of a NIC just unplugged may still be unregistering under this name.
   n=0
@@ -285,17 +288,21 @@ monitor() {{
   log "ip monitor ended"
 }}
 
-# By the clock, not by counting polls: in a slow guest (nested TCG) each poll's process
-# starts take seconds, and 600 polls of "30 s" took 15 minutes.
+# Waits $1 seconds at most, looking every $2 seconds (default 0.05). By the clock, not by
+# counting polls: in a slow guest (nested TCG) each poll's process starts take seconds, and
+# 600 polls of "30 s" took 15 minutes; there, a longer step leaves the CPU to the drivers.
 wait_active() {{
-  end=$(($(date +%s) + $1))
+  step=${{2:-0.05}}
+  read -r up _ </proc/uptime
+  end=$((${{up%.*}} + $1))
   while :; do
     for dev in $(nics); do
       set -- $(rxe_of "$dev")
       [ "$2" = ACTIVE ] && has_addr "$dev" && return 0
     done
-    [ "$(date +%s)" -ge "$end" ] && return 1
-    sleep 0.05
+    read -r up _ </proc/uptime
+    [ "${{up%.*}}" -ge "$end" ] && return 1
+    sleep "$step"
   done
 }}
 
@@ -304,10 +311,10 @@ case "$1" in
   monitor)
     if [ -z "$mac" ]; then echo "no {PARAM_MAC}= on the kernel command line"; exit 1; fi
     monitor ;;
-  wait-active) wait_active "${{2:-{READY_TIMEOUT_S}}}" ;;
+  wait-active) wait_active "${{2:-{READY_TIMEOUT_S}}}" "${{3:-0.05}}" ;;
   status) for dev in $(nics); do echo "$dev $(rxe_of "$dev")"; done ;;
   permanent) permanent ;;
-  *) echo "usage: rdmamig-netplug mac | monitor | wait-active [SECONDS] | status | permanent"; exit 2 ;;
+  *) echo "usage: rdmamig-netplug mac | monitor | wait-active [SECONDS [STEP]] | status | permanent"; exit 2 ;;
 esac
 "#,
         ip = p.ip,
