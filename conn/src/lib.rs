@@ -131,7 +131,7 @@ pub use failure::{Failure, LinkEvent};
 pub use listener::Listener;
 pub use onesided::{Access, Exposed, RemoteBuffer};
 pub use options::ConnectOptions;
-pub use probe::{probe_bridge, probe_resume, ProbeAnswer};
+pub use probe::{probe_bridge, probe_resume, probe_slow_handshake, ProbeAnswer};
 pub use shared::ConnStats;
 pub use wire::RejectReason;
 

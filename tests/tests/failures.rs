@@ -4,7 +4,8 @@
 //! 1. a RESUME naming the live connection with a wrong token is refused (BadToken), one
 //!    naming no connection is refused (UnknownConnection), and so are the same two on the
 //!    connection's TCP bridge listener and bytes there that are no BRIDGE record
-//!    (Malformed); the connection carries on;
+//!    (Malformed); a new connection whose active side answers the accept 6 s late (a busy
+//!    VM's handshake) is kept, not given up on; the connection carries on;
 //! 2. the active side's NIC is unplugged with no quiesce (the library sees DEVICE_REMOVAL and
 //!    releases the device, so the unplug completes at once), a new NIC is plugged, and the
 //!    connection resumes by itself; a second connection, whose serving process is stopped,
@@ -27,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_testbed::steps::{
     assert_clean, collect_report, ctl, dump_logs, plug, start_traffic, stop_traffic, unplug,
-    wait_ready, STEP_TIMEOUT,
+    wait_rdma_listening, wait_ready, STEP_TIMEOUT,
 };
 use rdmamig_testbed::{error_chain, Guest, GuestBinaries, GuestSpec, NicModel, Testbed};
 
@@ -177,6 +178,7 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
         eprintln!("{args}: {answer}");
         assert_eq!(answer, expected, "{args}");
     }
+    slow_handshake(a, b)?;
     std::thread::sleep(Duration::from_secs(1));
 
     if steps == Steps::Uncoordinated {
@@ -207,6 +209,27 @@ fn run(a: &Guest, b: &Guest, steps: Steps) -> Result<(), Box<dyn std::error::Err
         return Ok(());
     }
     peer_killed(a, b)
+}
+
+/// 1b. A new connection whose active side reads the listener's answer 6 s late is kept:
+/// past the 3 s a listener once gave a new connection's handshake, the active side counted
+/// the connection established while the listener had dropped it (gold, 2026-12-07). The
+/// listener is a serving process of its own, apart from `main`'s agent, that waits for a
+/// second connection before it sends anything: the probe's QP posts no more receives.
+fn slow_handshake(a: &Guest, b: &Guest) -> Result<(), Box<dyn std::error::Error>> {
+    let port = PORT + 4;
+    let server = format!("{}:{port}", a.spec().address());
+    let args = "--mode migratable --connections 2 --agent-socket /run/unused.sock";
+    start_traffic(a, "late", &format!("serve --listen {server} {args}"))?;
+    wait_rdma_listening(a, port, STEP_TIMEOUT)?;
+    let probe = format!("rdmamig-traffic probe-slow-handshake --to {server} --delay-ms 6000");
+    let out = b.run_ok(&probe, STEP_TIMEOUT)?;
+    a.run_ok("kill $(cat /tmp/late.pid)", STEP_TIMEOUT)?;
+    let v: serde_json::Value = serde_json::from_str(out.trim())?;
+    let answer = v["answer"].as_str().unwrap_or_default();
+    eprintln!("{probe}: {answer}");
+    assert_eq!(answer, "Accepted", "{probe}");
+    Ok(())
 }
 
 /// Starts the `stuck` flow beside `main` and stops its serving process: once the active

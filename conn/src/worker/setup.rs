@@ -194,7 +194,10 @@ impl Worker {
                 id,
                 hello,
                 on_ready,
-            } => match self.accept_on(id, &hello).await {
+            } => match self
+                .accept_on(id, &hello, self.sh.opts.connect_timeout)
+                .await
+            {
                 Ok(()) => on_ready(self.sh.clone()),
                 Err(e) => self.fail(Failure::Setup(format!("accept: {}", e.text()))),
             },
@@ -220,7 +223,8 @@ impl Worker {
                 false,
             );
         }
-        match self.accept_on(id, &hello).await {
+        let establish = patient(ESTABLISH_TIMEOUT, self.setup_timeouts, Duration::MAX);
+        match self.accept_on(id, &hello, establish).await {
             Ok(()) => {}
             Err(e) => {
                 let text = e.text();
@@ -405,19 +409,37 @@ impl Worker {
         }
     }
 
-    /// Accepts the connect request on `id`, with a bound on ESTABLISHED that stretches while
-    /// it times out across this connection's reconnects (a new connection's first accept
-    /// runs on a worker of its own, with the base bound); the active side's deadline bounds
-    /// the whole.
-    pub(super) async fn accept_on(&mut self, id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+    /// Accepts the connect request on `id` and waits up to `establish` for the CM's verdict:
+    /// ESTABLISHED, or the event that ends the handshake (an active side that gives up
+    /// destroys its id, and its CM rejects).
+    ///
+    /// A new connection's first accept waits for that verdict as long as the connection may
+    /// take to connect: a failed first accept ends the connection, and the active side's
+    /// next attempt is a new connection, so no bound could stretch there. With a fixed 3 s
+    /// one, a slow active side (whose librdmacm sends the RTU only when its process reads
+    /// the answer) saw ESTABLISHED after the passive side had given up, and its resumes were
+    /// then refused (UnknownConnection). A resume's accept (`on_incoming`) stays on the
+    /// stretching bound ([`patient`]): its failure costs one more attempt, not the
+    /// connection, and the worker serves nothing else while it waits.
+    pub(super) async fn accept_on(
+        &mut self,
+        id: CmId,
+        hello: &Hello,
+        establish: Duration,
+    ) -> Result<(), AttemptError> {
         self.sh.lock().busy = Some("accepting");
-        let result = self.accept_once(id, hello).await;
+        let result = self.accept_once(id, hello, establish).await;
         self.sh.lock().busy = None;
         self.count_timeouts(&result);
         result
     }
 
-    async fn accept_once(&mut self, mut id: CmId, hello: &Hello) -> Result<(), AttemptError> {
+    async fn accept_once(
+        &mut self,
+        mut id: CmId,
+        hello: &Hello,
+        establish: Duration,
+    ) -> Result<(), AttemptError> {
         self.forget_released_ids();
         id.migrate(self.chan.get_ref())?;
         id.set_ack_timeout(self.sh.opts.ack_timeout)?;
@@ -433,7 +455,6 @@ impl Worker {
             self.sh.opts.retry_count,
             self.sh.opts.rnr_retry,
         )?;
-        let establish = patient(ESTABLISH_TIMEOUT, self.setup_timeouts, Duration::MAX);
         let ev = self.wait_for(ep.id.key(), "ESTABLISHED", establish).await?;
         if ev.kind != CmEventKind::Established {
             return Err(AttemptError::Accept {

@@ -134,6 +134,17 @@ enum Cmd {
         #[arg(long)]
         conn_id: u64,
     },
+    /// Connect to a listener as a new connection but read its answer only --delay-ms after
+    /// the connect (a busy VM's late handshake), and print, as JSON, whether the listener
+    /// kept the connection: it must wait for the handshake rather than give up first.
+    ProbeSlowHandshake {
+        /// The listener's address.
+        #[arg(long)]
+        to: SocketAddr,
+        /// How late the answer is read, in ms.
+        #[arg(long, default_value_t = 6000)]
+        delay_ms: u64,
+    },
     /// Open a TCP stream to a listener's bridge address naming --conn-id with a random token
     /// (or, with --garbage, send bytes that are no record) and print how the listener
     /// answered, as JSON: both must be refused and the connection must carry on.
@@ -281,6 +292,14 @@ fn main() {
             println!(
                 "{}",
                 serde_json::json!({ "conn_id": conn_id, "answer": format!("{answer:?}") })
+            );
+            0
+        }
+        Cmd::ProbeSlowHandshake { to, delay_ms } => {
+            let answer = rdmamig_conn::probe_slow_handshake(to, Duration::from_millis(delay_ms));
+            println!(
+                "{}",
+                serde_json::json!({ "delay_ms": delay_ms, "answer": format!("{answer:?}") })
             );
             0
         }
