@@ -311,7 +311,7 @@ case "$1" in
   monitor)
     if [ -z "$mac" ]; then echo "no {PARAM_MAC}= on the kernel command line"; exit 1; fi
     monitor ;;
-  wait-active) wait_active "${{2:-{READY_TIMEOUT_S}}}" "${{3:-0.05}}" ;;
+  wait-active) wait_active "${{2:-{READY_TIMEOUT_S}}}" "${{3:-}}" ;;
   status) for dev in $(nics); do echo "$dev $(rxe_of "$dev")"; done ;;
   permanent) permanent ;;
   *) echo "usage: rdmamig-netplug mac | monitor | wait-active [SECONDS [STEP]] | status | permanent"; exit 2 ;;

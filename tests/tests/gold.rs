@@ -542,8 +542,10 @@ fn watching<T>(shells: &[(&str, &(dyn Shell + Sync))], work: impl FnOnce() -> T)
 /// spends its CPU: where a move's minutes go on this test bed (docs/testbed.md). The VM's
 /// own CPU is not looked at: in a nested VM that look takes minutes.
 fn print_vf_log(label: &str, host: &Host, vm: &dyn Shell) {
-    let vf = "dmesg | grep -iE 'igbvf|rxe|pciehp|link is|0000:01:00' | tail -n 30; \
-              echo \"uptime $(cut -d ' ' -f 1 /proc/uptime) s\"";
+    let vf =
+        "dmesg | grep -iE 'igbvf|rxe|pciehp|link is|0000:01:00|clocksource|tsc' | tail -n 30; \
+              echo \"uptime $(cut -d ' ' -f 1 /proc/uptime) s, clocksource \
+              $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)\"";
     match vm.run(vf, SLOW) {
         Ok(out) => eprintln!("gold {label}: {} kernel log:\n{}", vm.name(), out.output),
         Err(e) => eprintln!(
