@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, QuiesceMode};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent, DEFAULT_AGENT_SOCKET};
+use rdmamig_proto::message;
 use rdmamig_proto::preload::PeerAnswer;
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use thiserror::Error;
@@ -301,7 +302,11 @@ fn serve(mut stream: UnixStream, path: &std::path::Path) -> Result<(), RegistryE
             match frame.decode::<AgentToApp>() {
                 Ok(req) => {
                     if let Some(reply) = handle(&req) {
-                        stream.write_all(&Frame::encode(&reply)).map_err(io)?;
+                        // In pieces when it lists more connections than a frame holds.
+                        match message::encode(&reply) {
+                            Ok(bytes) => stream.write_all(&bytes).map_err(io)?,
+                            Err(e) => tracing::error!(error = %e, "cannot answer the agent"),
+                        }
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "ignoring a malformed agent request"),

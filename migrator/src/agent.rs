@@ -16,6 +16,7 @@ use rdmamig_proto::agent::{
     DeviceHolder, QuiesceMode, ReleaseScope, UnmanagedProgram,
 };
 use rdmamig_proto::clock::millis;
+use rdmamig_proto::message::{Assembler, MessageError};
 use rdmamig_proto::{ConnectionId, Frame, FrameBuffer, FrameError};
 use rdmamig_vmm::AgentStream;
 use thiserror::Error;
@@ -56,14 +57,15 @@ pub enum AgentError {
         /// The deadline.
         deadline_ms: u64,
     },
-    /// The bytes from the guest are not frames or not an answer.
+    /// The bytes from the guest are not frames or not an answer, or an answer larger than
+    /// the host takes ([`MAX_AGENT_ANSWER_LEN`]).
     #[error("the guest agent's answer to {request} is malformed")]
     Malformed {
         /// The request.
         request: &'static str,
         /// What the decoder said.
         #[source]
-        source: FrameError,
+        source: MessageError,
     },
     /// An answer to a request that was never sent.
     #[error(
@@ -215,10 +217,18 @@ impl GuestAgent for AgentClient {
     }
 }
 
+/// The most the host assembles of one agent answer. An answer lists every connection of
+/// the VM (about 200 bytes each), so a few hundred connections outgrow a frame and their
+/// answers arrive in pieces; 4,096 connections take about 1 MiB. A guest cannot make the
+/// host hold more than this.
+pub const MAX_AGENT_ANSWER_LEN: usize = 8 * 1024 * 1024;
+
 /// A session with one guest agent.
 pub struct AgentClient {
     stream: Box<dyn AgentStream>,
     buffer: FrameBuffer,
+    /// Answers larger than a frame come in pieces.
+    assembler: Assembler,
     /// This session's first request id: the clock in µs when it began, so that every
     /// session's ids are above those of the sessions before it.
     first_id: u64,
@@ -236,6 +246,7 @@ impl AgentClient {
         AgentClient {
             stream,
             buffer: FrameBuffer::new(),
+            assembler: Assembler::new(MAX_AGENT_ANSWER_LEN),
             first_id,
             next_id: first_id,
             abandoned: HashSet::new(),
@@ -408,13 +419,16 @@ impl AgentClient {
         let mut chunk = [0u8; 4096];
         loop {
             match self.buffer.pop() {
-                Ok(frame) => {
-                    return frame
-                        .decode::<AgentResponse>()
-                        .map_err(|source| AgentError::Malformed { request, source })
-                }
+                Ok(frame) => match self.assembler.take::<AgentResponse>(frame) {
+                    Ok(Some(response)) => return Ok(response),
+                    Ok(None) => continue,
+                    Err(source) => return Err(AgentError::Malformed { request, source }),
+                },
                 Err(FrameError::Incomplete { .. }) => {}
-                Err(source) => return Err(AgentError::Malformed { request, source }),
+                Err(e) => {
+                    let source = MessageError::Malformed(e);
+                    return Err(AgentError::Malformed { request, source });
+                }
             }
             let n = self
                 .stream
@@ -529,7 +543,7 @@ mod tests {
     }
 
     async fn answer(guest: &mut DuplexStream, id: u64, result: AgentResult) {
-        let bytes = Frame::encode(&AgentResponse { id, result });
+        let bytes = rdmamig_proto::message::encode(&AgentResponse { id, result }).unwrap();
         guest.write_all(&bytes).await.unwrap();
     }
 
@@ -770,6 +784,63 @@ mod tests {
         );
     }
 
+    /// Thousands of connections: their list and their outcomes outgrow a frame, come in
+    /// pieces and are taken whole; an answer past [`MAX_AGENT_ANSWER_LEN`] is refused.
+    #[tokio::test]
+    async fn answers_for_thousands_of_connections_come_in_pieces_and_are_bounded() {
+        const MANY: u64 = 4096;
+        let (mut host, mut guest) = client();
+        let agent = tokio::spawn(async move {
+            let req = read_request(&mut guest).await;
+            let connections = (1..=MANY).map(info).collect();
+            answer(&mut guest, req.id, AgentResult::Connections { connections }).await;
+            let req = read_request(&mut guest).await;
+            let outcomes = (1..=MANY).map(ok).collect();
+            let result = AgentResult::Outcomes {
+                outcomes,
+                elapsed_ms: 5,
+            };
+            assert!(serde_json::to_vec(&result).unwrap().len() > rdmamig_proto::MAX_FRAME_LEN);
+            answer(&mut guest, req.id, result).await;
+            let req = read_request(&mut guest).await;
+            let message = "x".repeat(MAX_AGENT_ANSWER_LEN + 1);
+            let result = AgentResult::Error { message };
+            let bytes = rdmamig_proto::message::encode(&AgentResponse { id: req.id, result });
+            // The host stops reading at the piece past its limit, and then goes.
+            let _ = guest.write_all(&bytes.unwrap()).await;
+        });
+        let ids: Vec<_> = host
+            .list_connections(SECOND)
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.id)
+            .collect();
+        assert_eq!(ids.len(), MANY as usize);
+        let q = host
+            .quiesce(&ids, SECOND, QuiesceMode::Release)
+            .await
+            .unwrap();
+        assert_eq!(q.outcomes.len(), MANY as usize);
+        assert_eq!(q.failed().count(), 0);
+        let err = host.ping(SECOND).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AgentError::Malformed {
+                    source: MessageError::TooLarge {
+                        limit: MAX_AGENT_ANSWER_LEN,
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        drop(host);
+        agent.await.unwrap();
+    }
+
     #[tokio::test]
     async fn garbage_and_oversized_frames_are_errors_not_panics() {
         let (mut host, mut guest) = client();
@@ -779,7 +850,7 @@ mod tests {
             matches!(
                 err,
                 AgentError::Malformed {
-                    source: FrameError::BadMagic { .. },
+                    source: MessageError::Malformed(FrameError::BadMagic { .. }),
                     ..
                 }
             ),
@@ -796,7 +867,7 @@ mod tests {
             matches!(
                 err,
                 AgentError::Malformed {
-                    source: FrameError::TooLarge { .. },
+                    source: MessageError::Malformed(FrameError::TooLarge { .. }),
                     ..
                 }
             ),
@@ -814,7 +885,7 @@ mod tests {
             matches!(
                 err,
                 AgentError::Malformed {
-                    source: FrameError::Malformed { .. },
+                    source: MessageError::Malformed(FrameError::Malformed { .. }),
                     ..
                 }
             ),

@@ -2,15 +2,18 @@
 //! migrators' exchanges both ride on it.
 //!
 //! Every message travels in rdmamig-proto's frames (magic, version, length, JSON; 64 KiB at
-//! most): one frame when it fits, otherwise a run of [`Piece`] frames whose texts make the
-//! message's JSON. A receiver bounds what it assembles (one frame unless told otherwise), so
-//! a peer cannot make it hold more than it agreed to.
+//! most): one frame when it fits, otherwise a run of pieces ([`rdmamig_proto::message`]). A
+//! receiver bounds what it assembles (one frame unless told otherwise), so a peer cannot make
+//! it hold more than it agreed to.
 
+use rdmamig_proto::message::{self, Assembler, MessageError};
 use rdmamig_proto::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+pub use rdmamig_proto::message::MAX_MESSAGE_LEN;
 
 /// Why a message could not be sent or received.
 #[derive(Debug, Error)]
@@ -37,116 +40,58 @@ pub enum ChannelError {
     },
 }
 
-/// The largest message a channel sends (and the most a receiver may be set to assemble).
-pub const MAX_MESSAGE_LEN: usize = 16 * 1024 * 1024;
-
-/// How much of a message's JSON one piece carries: escaped into a JSON string it at most
-/// doubles, so a piece always fits in a frame.
-const PIECE_LEN: usize = 24 * 1024;
-
-/// One frame of a message too large for one: a run of pieces, the last one marked, whose
-/// texts make the message's JSON.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Piece {
-    piece: String,
-    last: bool,
+impl From<MessageError> for ChannelError {
+    fn from(e: MessageError) -> Self {
+        match e {
+            MessageError::TooLarge { len, limit } => ChannelError::TooLarge { len, limit },
+            MessageError::Malformed(e) => ChannelError::Malformed(e),
+        }
+    }
 }
 
 /// A framed message stream over any byte stream.
 pub struct Channel<S> {
     stream: S,
     buffer: FrameBuffer,
-    /// The largest message [`Channel::receive`] assembles.
-    receive_limit: usize,
+    /// Assembles messages up to the limit [`Channel::receive`] takes.
+    assembler: Assembler,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
     /// Wraps a connected stream; it receives messages of one frame at most.
     pub fn new(stream: S) -> Channel<S> {
-        Channel {
-            stream,
-            buffer: FrameBuffer::new(),
-            receive_limit: MAX_FRAME_LEN,
-        }
+        Channel::with_receive_limit(stream, MAX_FRAME_LEN)
     }
 
     /// Wraps a connected stream that receives messages of up to `limit` bytes (at most
     /// [`MAX_MESSAGE_LEN`]).
     pub fn with_receive_limit(stream: S, limit: usize) -> Channel<S> {
         Channel {
-            receive_limit: limit.min(MAX_MESSAGE_LEN),
-            ..Channel::new(stream)
+            stream,
+            buffer: FrameBuffer::new(),
+            assembler: Assembler::new(limit),
         }
     }
 
     /// Sends one message: in one frame if it fits, in pieces otherwise, up to
     /// [`MAX_MESSAGE_LEN`].
     pub async fn send<T: Serialize>(&mut self, message: &T) -> Result<(), ChannelError> {
-        let text = serde_json::to_string(message).map_err(|e| {
-            ChannelError::Send(std::io::Error::other(format!(
-                "cannot encode a message: {e}"
-            )))
-        })?;
-        if text.len() > MAX_MESSAGE_LEN {
-            return Err(ChannelError::TooLarge {
-                len: text.len(),
-                limit: MAX_MESSAGE_LEN,
-            });
-        }
-        let mut bytes = Vec::new();
-        if text.len() <= MAX_FRAME_LEN {
-            bytes = Frame::encode(message);
-        } else {
-            let mut rest = text.as_str();
-            while !rest.is_empty() {
-                let mut cut = rest.len().min(PIECE_LEN);
-                while !rest.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                let (piece, after) = rest.split_at(cut);
-                rest = after;
-                bytes.extend(Frame::encode(&Piece {
-                    piece: piece.into(),
-                    last: rest.is_empty(),
-                }));
-            }
-        }
+        let bytes = message::encode(message)?;
         self.stream
             .write_all(&bytes)
             .await
             .map_err(ChannelError::Send)
     }
 
-    /// Receives one message. `Ok(None)` when the peer closed cleanly between messages.
+    /// Receives one message. `Ok(None)` when the peer closed cleanly between messages. A
+    /// message past the limit is an error once; the channel then carries on with the next.
     pub async fn receive<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ChannelError> {
-        let mut assembled: Option<String> = None;
         loop {
-            let Some(frame) = self.next_frame(assembled.is_some()).await? else {
+            let Some(frame) = self.next_frame(self.assembler.is_assembling()).await? else {
                 return Ok(None);
             };
-            let Ok(piece) = frame.decode::<Piece>() else {
-                if assembled.is_some() {
-                    return Err(ChannelError::Malformed(FrameError::Malformed {
-                        reason: "a message came in the middle of another's pieces".into(),
-                    }));
-                }
-                return frame.decode().map(Some).map_err(ChannelError::Malformed);
-            };
-            let text = assembled.get_or_insert_with(String::new);
-            if text.len() + piece.piece.len() > self.receive_limit {
-                return Err(ChannelError::TooLarge {
-                    len: text.len() + piece.piece.len(),
-                    limit: self.receive_limit,
-                });
-            }
-            text.push_str(&piece.piece);
-            if piece.last {
-                return serde_json::from_str(text).map(Some).map_err(|e| {
-                    ChannelError::Malformed(FrameError::Malformed {
-                        reason: e.to_string(),
-                    })
-                });
+            if let Some(message) = self.assembler.take(frame)? {
+                return Ok(Some(message));
             }
         }
     }
@@ -181,6 +126,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde::Deserialize;
 
     /// A message of the tests' own.
     #[derive(Debug, PartialEq, Serialize, Deserialize)]

@@ -9,7 +9,9 @@
 //!   over TCP between guests.
 //!
 //! The layering follows mini-redis: [`frame`] turns bytes into frames (check, then parse,
-//! with an explicit "incomplete" outcome) and the typed messages ride inside a frame as JSON.
+//! with an explicit "incomplete" outcome) and the typed messages ride inside a frame as JSON;
+//! [`message`] carries a message larger than a frame (a move's per-connection lists) as a
+//! run of frames.
 //!
 //! Beside the messages, the two helpers every part shares: [`text`] (error chains, guest
 //! text made printable) and [`clock`] (milliseconds).
@@ -18,6 +20,7 @@ pub mod agent;
 pub mod app;
 pub mod clock;
 pub mod frame;
+pub mod message;
 pub mod preload;
 pub mod text;
 

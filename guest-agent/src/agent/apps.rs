@@ -37,9 +37,10 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use rdmamig_proto::agent::{ConnectionInfo, ConnectionOutcome, COMMAND_LEN};
 use rdmamig_proto::app::{AgentToApp, AppReply, AppToAgent};
+use rdmamig_proto::message::{Assembler, MessageError};
 use rdmamig_proto::preload::{PeerAnswer, PeerRequest};
 use rdmamig_proto::text::printable;
-use rdmamig_proto::{Frame, FrameBuffer, FrameError};
+use rdmamig_proto::{Frame, FrameBuffer, FrameError, MAX_FRAME_LEN};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
@@ -157,6 +158,12 @@ pub struct Apps {
 /// runaway guest program cannot exhaust the agent.
 const MAX_APPS: usize = 256;
 
+/// The largest message a registered process may send: a reply lists its connections (about
+/// 200 bytes each), so one with more than a few hundred sends it in pieces, and 1 MiB holds
+/// about 5,000. Before its `Hello`, a connection is held to one frame. So all processes
+/// together can make the agent hold at most [`MAX_APPS`] MiB.
+const MAX_REPLY_LEN: usize = 1024 * 1024;
+
 impl Apps {
     /// An empty registry.
     pub fn new() -> Self {
@@ -201,7 +208,7 @@ impl Apps {
 
     /// Acts on one message of a connection: registers it, hands a reply to its waiter, or
     /// refuses what is unusable.
-    fn on_message(&self, client: &mut Client, message: Result<AppToAgent, FrameError>) -> Keep {
+    fn on_message(&self, client: &mut Client, message: Result<AppToAgent, MessageError>) -> Keep {
         match message {
             Ok(AppToAgent::Hello { pid, program }) if client.app.is_none() => {
                 if let Err(refused) = check_sender(&client.stream, pid) {
@@ -224,8 +231,10 @@ impl Apps {
                 info!(pid, program = %entry.program, "application registered");
                 self.apps.lock().unwrap().insert(key, entry.clone());
                 client.app = Some((key, entry));
-                // Registered: no longer bounded as a silent connection.
+                // Registered: no longer bounded as a silent connection, and its replies
+                // may list its connections.
                 client.hello_by = None;
+                client.assembler = Assembler::new(MAX_REPLY_LEN);
             }
             Ok(AppToAgent::Reply { request, body }) => {
                 let waiter = client
@@ -419,6 +428,9 @@ struct Server {
 struct Client {
     stream: UnixStream,
     frames: FrameBuffer,
+    /// Assembles messages sent in pieces, up to one frame before `Hello` and
+    /// [`MAX_REPLY_LEN`] after.
+    assembler: Assembler,
     /// Until its `Hello` is accepted: when it must have said it by.
     hello_by: Option<Instant>,
     /// Once registered: its key and entry.
@@ -533,6 +545,7 @@ impl Server {
         self.clients.push(Client {
             stream,
             frames: FrameBuffer::new(),
+            assembler: Assembler::new(MAX_FRAME_LEN),
             hello_by: Some(Instant::now() + HELLO_TIMEOUT),
             app: None,
         });
@@ -574,9 +587,13 @@ impl Server {
         client.frames.push(&chunk[..n]);
         loop {
             let message = match client.frames.pop() {
-                Ok(frame) => frame.decode::<AppToAgent>(),
+                Ok(frame) => match client.assembler.take::<AppToAgent>(frame) {
+                    Ok(Some(message)) => Ok(message),
+                    Ok(None) => continue,
+                    Err(e) => Err(e),
+                },
                 Err(FrameError::Incomplete { .. }) => return Keep::Open,
-                Err(e) => Err(e),
+                Err(e) => Err(MessageError::Malformed(e)),
             };
             if self.apps.on_message(client, message) == Keep::Close {
                 return Keep::Close;
@@ -683,7 +700,8 @@ pub(super) mod tests {
                 fb.push(&buf[..n]);
                 while let Ok(frame) = fb.pop() {
                     if let Some(reply) = answer(frame.decode().unwrap()) {
-                        stream.write_all(&Frame::encode(&reply)).unwrap();
+                        let bytes = rdmamig_proto::message::encode(&reply).unwrap();
+                        stream.write_all(&bytes).unwrap();
                     }
                 }
             }
@@ -744,6 +762,46 @@ pub(super) mod tests {
             Instant::now() + Duration::from_secs(5),
         );
         assert_eq!(outcomes.len(), 2);
+        assert!(outcomes.iter().all(|o| o.ok));
+    }
+
+    /// A process with thousands of connections: its replies outgrow a frame, come in pieces
+    /// and are taken whole.
+    #[test]
+    fn a_process_with_thousands_of_connections_answers_in_pieces() {
+        const MANY: u64 = 3000;
+        let (apps, _dir) = registry_with(|req| match req {
+            AgentToApp::Describe { request } => Some(AppToAgent::Reply {
+                request,
+                body: AppReply::Connections {
+                    connections: (1..=MANY).map(info).collect(),
+                },
+            }),
+            AgentToApp::Quiesce { request, .. } | AgentToApp::Resume { request, .. } => {
+                let outcomes = (1..=MANY)
+                    .map(|id| ConnectionOutcome {
+                        id,
+                        ok: true,
+                        elapsed_ms: 1,
+                        error: None,
+                        fell_back: None,
+                    })
+                    .collect();
+                let body = AppReply::Outcomes { outcomes };
+                assert!(serde_json::to_vec(&body).unwrap().len() > MAX_FRAME_LEN);
+                Some(AppToAgent::Reply { request, body })
+            }
+            AgentToApp::Peer { .. } | AgentToApp::Refused { .. } => None,
+        });
+        assert_eq!(apps.describe(Duration::from_secs(5)).len(), MANY as usize);
+        let outcomes = apps.drive(
+            |request| AgentToApp::Resume {
+                request,
+                deadline_ms: 100,
+            },
+            Instant::now() + Duration::from_secs(5),
+        );
+        assert_eq!(outcomes.len(), MANY as usize);
         assert!(outcomes.iter().all(|o| o.ok));
     }
 

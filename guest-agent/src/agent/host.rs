@@ -16,6 +16,7 @@ use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::signal::{SigSet, Signal};
 
 use rdmamig_proto::agent::{AgentRequest, AgentResponse, AgentResult};
+use rdmamig_proto::message;
 use rdmamig_proto::{Frame, FrameBuffer, FrameError};
 use thiserror::Error;
 use tracing::{debug, warn};
@@ -211,11 +212,25 @@ pub fn serve<C: Read + Write>(channel: &mut C, agent: &Agent, on_eof: OnEof<'_>)
                     refusal(&e)
                 }
             };
-            if let Err(e) = channel.write_all(&Frame::encode(&response)) {
+            if let Err(e) = channel.write_all(&encode(&response)) {
                 warn!("answering the host failed: {e}");
             }
         }
     }
+}
+
+/// The answer's bytes: in pieces when it lists more connections than a frame holds
+/// ([`message`]); an answer too large even for that says so instead.
+fn encode(response: &AgentResponse) -> Vec<u8> {
+    message::encode(response).unwrap_or_else(|e| {
+        warn!("cannot send an answer to the host: {e}");
+        Frame::encode(&AgentResponse {
+            id: response.id,
+            result: AgentResult::Error {
+                message: format!("the answer cannot be sent: {e}"),
+            },
+        })
+    })
 }
 
 /// The answer to bytes that are not a valid request: id 0, since none could be read.
