@@ -527,8 +527,17 @@ pub fn run(
     }
     let connecting = Instant::now();
     for i in 0..processes {
-        for guest in [&peer, &src] {
+        for (guest, other) in [(&peer, &src), (&src, &peer)] {
             let ready = steps::wait_ready(guest, &traffic_tag(i), config.connections);
+            if ready.is_err() {
+                // The error holds this side's log; why a connect never completes may be in
+                // the other side's.
+                let tail = format!("tail -n 60 /tmp/{}.err", traffic_tag(i));
+                match other.run(&tail, steps::STEP_TIMEOUT) {
+                    Ok(out) => eprintln!("{}'s {}:\n{}", other.name(), traffic_tag(i), out.output),
+                    Err(e) => eprintln!("{}'s log: {}", other.name(), crate::error_chain(&e)),
+                }
+            }
             step(guest, "waiting for the traffic tool to connect", ready)?;
         }
     }
