@@ -575,6 +575,12 @@ mod tests {
 
     const SECOND: Duration = Duration::from_secs(1);
 
+    /// The ids of the connections the agent lists.
+    async fn listed_ids(host: &mut AgentClient) -> Vec<ConnectionId> {
+        let listed = host.list_connections(SECOND).await.unwrap();
+        listed.iter().map(|c| c.id).collect()
+    }
+
     #[tokio::test]
     async fn ping_list_quiesce_resume() {
         let (mut host, mut guest) = client();
@@ -626,13 +632,7 @@ mod tests {
             .await;
         });
         assert_eq!(host.ping(SECOND).await.unwrap(), "0.1.0");
-        let ids: Vec<_> = host
-            .list_connections(SECOND)
-            .await
-            .unwrap()
-            .iter()
-            .map(|c| c.id)
-            .collect();
+        let ids = listed_ids(&mut host).await;
         assert_eq!(ids, [7, 9]);
         let q = host
             .quiesce(&ids, SECOND, QuiesceMode::Release)
@@ -809,13 +809,7 @@ mod tests {
             // The host stops reading at the piece past its limit, and then goes.
             let _ = guest.write_all(&bytes.unwrap()).await;
         });
-        let ids: Vec<_> = host
-            .list_connections(SECOND)
-            .await
-            .unwrap()
-            .iter()
-            .map(|c| c.id)
-            .collect();
+        let ids = listed_ids(&mut host).await;
         assert_eq!(ids.len(), MANY as usize);
         let q = host
             .quiesce(&ids, SECOND, QuiesceMode::Release)

@@ -681,6 +681,17 @@ pub(super) mod tests {
         }
     }
 
+    /// A connection's successful outcome.
+    fn ok(id: u64) -> ConnectionOutcome {
+        ConnectionOutcome {
+            id,
+            ok: true,
+            elapsed_ms: 1,
+            error: None,
+            fell_back: None,
+        }
+    }
+
     /// A scripted application: says hello, then answers each request with `answer`.
     fn client(path: &Path, answer: fn(AgentToApp) -> Option<AppToAgent>) {
         let mut stream = UnixStream::connect(path).unwrap();
@@ -737,15 +748,7 @@ pub(super) mod tests {
                 Some(AppToAgent::Reply {
                     request,
                     body: AppReply::Outcomes {
-                        outcomes: [1, 2]
-                            .map(|id| ConnectionOutcome {
-                                id,
-                                ok: true,
-                                elapsed_ms: 1,
-                                error: None,
-                                fell_back: None,
-                            })
-                            .to_vec(),
+                        outcomes: vec![ok(1), ok(2)],
                     },
                 })
             }
@@ -778,15 +781,7 @@ pub(super) mod tests {
                 },
             }),
             AgentToApp::Quiesce { request, .. } | AgentToApp::Resume { request, .. } => {
-                let outcomes = (1..=MANY)
-                    .map(|id| ConnectionOutcome {
-                        id,
-                        ok: true,
-                        elapsed_ms: 1,
-                        error: None,
-                        fell_back: None,
-                    })
-                    .collect();
+                let outcomes = (1..=MANY).map(ok).collect();
                 let body = AppReply::Outcomes { outcomes };
                 assert!(serde_json::to_vec(&body).unwrap().len() > MAX_FRAME_LEN);
                 Some(AppToAgent::Reply { request, body })
